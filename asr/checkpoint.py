@@ -1,0 +1,103 @@
+"""Model files and training checkpoints: one self-contained file each, written atomically.
+
+A model file (DESIGN.md) is a plain dict
+
+    {"format": "asr-model", "version": 1, "model": {...}, "frontend": {...},
+     "tokenizer": {...}, "state_dict": {...}}
+
+holding only dicts, lists, strings, numbers, bytes and tensors, so that it loads with
+`torch.load(..., weights_only=True)`, the only way we ever load one. Training checkpoints use
+the same rules with format "asr-checkpoint".
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_FORMAT = "asr-model"
+CHECKPOINT_FORMAT = "asr-checkpoint"
+VERSION = 1
+
+__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "VERSION", "CheckpointError", "save_atomic", "load_file",
+           "model_file", "average_state_dicts"]
+
+
+class CheckpointError(ValueError):
+    """A model or checkpoint file that cannot be used; the message names the file."""
+
+
+def save_atomic(obj: Mapping[str, Any], path: str | Path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then rename over `path`:
+    a reader (or a crash) never sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(obj), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_file(path: str | Path, expected_format: str = MODEL_FORMAT, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a model file or checkpoint with weights_only=True and check its envelope."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # pickle / zip errors, or objects weights_only refuses
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a loadable {expected_format} file ({reason[:200]})") from None
+    if not isinstance(obj, dict) or "format" not in obj:
+        raise CheckpointError(f"{path}: not an {expected_format} file (no format field)")
+    if obj["format"] != expected_format:
+        raise CheckpointError(f"{path}: is an '{obj['format']}' file, expected '{expected_format}'")
+    version = obj.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{path}: format version {version!r} is newer than this toolkit reads "
+                              f"({VERSION}); upgrade the toolkit")
+    return obj
+
+
+def model_file(*, model: Mapping[str, Any], frontend: Mapping[str, Any], tokenizer: Mapping[str, Any],
+               state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The DESIGN.md model-file dict (configs as plain dicts, tensors moved to the CPU)."""
+    return {
+        "format": MODEL_FORMAT,
+        "version": VERSION,
+        "model": dict(model),
+        "frontend": dict(frontend),
+        "tokenizer": dict(tokenizer),
+        "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+    }
+
+
+def average_state_dicts(state_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of floating-point tensors (accumulated in float64); other tensors
+    (step counters, integer buffers) are taken from the last state dict."""
+    if not state_dicts:
+        raise ValueError("no state dicts to average")
+    keys = list(state_dicts[-1].keys())
+    for i, sd in enumerate(state_dicts):
+        if list(sd.keys()) != keys:
+            missing = sorted(set(keys) ^ set(sd.keys()))
+            raise ValueError(f"state dict {i} has different parameters: {missing[:3]}")
+    out = {}
+    for k in keys:
+        last = state_dicts[-1][k]
+        if last.is_floating_point():
+            total = sum(sd[k].double() for sd in state_dicts)
+            out[k] = (total / len(state_dicts)).to(last.dtype)
+        else:
+            out[k] = last.clone()
+    return out

@@ -1,0 +1,230 @@
+"""The `asr` command: parse arguments, call the library, print. Library modules are imported
+inside the handlers so that `asr --help` answers at once."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+log = logging.getLogger("asr")
+
+
+class NotBuilt(Exception):
+    """A subcommand that is part of the interface but not implemented in this version."""
+
+
+# ---------------------------------------------------------------------------------------------
+# handlers
+
+
+def cmd_prepare_librispeech(args: argparse.Namespace) -> int:
+    from asr.data import prepare_librispeech
+
+    speeds = _floats(args.speed_perturb)
+    counts = prepare_librispeech(args.librispeech_dir, args.out_dir, _split(args.parts))
+    for part, n in counts.items():
+        path = Path(args.out_dir) / f"{part}.jsonl"
+        if speeds and part.startswith("train"):
+            n = _add_speed_copies(path, speeds)
+        print(f"{path}: {n} utterances")
+    return 0
+
+
+def cmd_prepare_kaldi(args: argparse.Namespace) -> int:
+    from asr.data import prepare_kaldi
+
+    n = prepare_kaldi(args.data_dir, args.out)
+    if args.speed_perturb:
+        n = _add_speed_copies(Path(args.out), _floats(args.speed_perturb))
+    print(f"{args.out}: {n} utterances")
+    return 0
+
+
+def _add_speed_copies(manifest: Path, speeds: list[float]) -> int:
+    """Rewrite `manifest` with speed-perturbed copies of every line (DESIGN.md: sp<speed>-<id>)."""
+    from asr.data import read_manifest, speed_perturb, write_manifest
+
+    utts = speed_perturb(read_manifest(manifest), [s for s in speeds if s != 1.0])
+    write_manifest(utts, manifest)
+    return len(utts)
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from asr.data import read_manifest
+    from asr.metrics import normalize_text
+    from asr.tokenizer import train_tokenizer
+
+    if args.kind != "char" and args.vocab_size is None:
+        raise ValueError(f"--kind {args.kind} needs --vocab-size N")
+    texts = [normalize_text(u.text) for u in read_manifest(args.manifest)]
+    tokenizer = train_tokenizer(texts, args.kind, args.vocab_size)
+    tokenizer.save(args.out)
+    print(f"{args.out}: {args.kind} tokenizer, {tokenizer.vocab_size} ids (blank, unk, sos/eos included), "
+          f"trained on {len(texts)} transcripts")
+    return 0
+
+
+def cmd_cmvn(args: argparse.Namespace) -> int:
+    from asr.data import compute_cmvn, read_manifest
+    from asr.features import FeatureConfig
+
+    utts = read_manifest(args.manifest)
+    stats = compute_cmvn(utts, FeatureConfig(n_mels=args.n_mels))
+    stats.save(args.out)
+    print(f"{args.out}: global CMVN over {int(stats.count)} frames of {len(utts)} utterances")
+    return 0
+
+
+def cmd_wer(args: argparse.Namespace) -> int:
+    import json
+
+    from asr.metrics import format_errors, format_summary, read_transcripts, score
+
+    report = score(read_transcripts(args.ref), read_transcripts(args.hyp))
+    if args.errors:
+        Path(args.errors).write_text(format_errors(report), encoding="utf-8")
+    if args.json:
+        print(json.dumps(report.stats.to_dict()))
+    print(format_summary(report.stats))
+    return 0
+
+
+def cmd_not_built(args: argparse.Namespace) -> int:
+    raise NotBuilt(f"asr {args.command}: not built yet in this version of the toolkit")
+
+
+# ---------------------------------------------------------------------------------------------
+# the parser
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [p for p in text.split(",") if p] if text else None
+
+
+def _floats(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(p) for p in text.split(",") if p]
+    except ValueError:
+        raise ValueError(f"--speed-perturb expects numbers separated by commas, got '{text}'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from asr import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="asr", description="Transformer speech recognition: prepare data, train, decode, score.",
+        epilog="Run 'asr COMMAND --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"asr {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("prepare", help="turn a corpus into JSON Lines manifests",
+                       description="Turn a corpus into JSON Lines manifests (id, audio, duration, text).")
+    corpora = p.add_subparsers(dest="corpus", metavar="CORPUS", required=True)
+    q = corpora.add_parser("librispeech", help="the official LibriSpeech layout -> OUT_DIR/<part>.jsonl")
+    q.add_argument("librispeech_dir", metavar="LIBRISPEECH_DIR")
+    q.add_argument("out_dir", metavar="OUT_DIR")
+    q.add_argument("--parts", help="comma-separated parts (default: every part found)")
+    q.add_argument("--speed-perturb", metavar="SPEEDS",
+                   help="add speed-perturbed copies of the train-* parts, e.g. 0.9,1.1")
+    q.set_defaults(func=cmd_prepare_librispeech)
+    q = corpora.add_parser("kaldi", help="a Kaldi data dir (wav.scp [+ segments] + text) -> OUT.jsonl")
+    q.add_argument("data_dir", metavar="DATA_DIR")
+    q.add_argument("out", metavar="OUT.jsonl")
+    q.add_argument("--speed-perturb", metavar="SPEEDS", help="add speed-perturbed copies, e.g. 0.9,1.1")
+    q.set_defaults(func=cmd_prepare_kaldi)
+
+    p = sub.add_parser("tokenizer", help="train a char or sentencepiece tokenizer on a manifest's text")
+    p.add_argument("--manifest", required=True, metavar="TRAIN.jsonl")
+    p.add_argument("--kind", required=True, choices=["char", "bpe", "unigram"])
+    p.add_argument("--vocab-size", type=int, metavar="N", help="sentencepiece pieces (bpe, unigram)")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_tokenizer)
+
+    p = sub.add_parser("cmvn", help="global mean/variance statistics of the fbank features")
+    p.add_argument("--manifest", required=True, metavar="TRAIN.jsonl")
+    p.add_argument("--out", required=True, metavar="CMVN.json")
+    p.add_argument("--n-mels", type=int, default=80, help="mel bins (default 80)")
+    p.set_defaults(func=cmd_cmvn)
+
+    p = sub.add_parser("train", help="train a model (one process, or torchrun for several GPUs)")
+    p.add_argument("--config", required=True, metavar="CONF.yaml")
+    p.add_argument("--train", required=True, metavar="TRAIN.jsonl")
+    p.add_argument("--valid", required=True, metavar="DEV.jsonl")
+    p.add_argument("--exp-dir", required=True, metavar="EXP")
+    p.add_argument("--tokenizer", metavar="DIR", help="default: build one in EXP")
+    p.add_argument("--cmvn", metavar="CMVN.json", help="default: compute it in EXP")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.set_defaults(func=cmd_not_built)
+
+    p = sub.add_parser("average", help="average checkpoints into one model file")
+    p.add_argument("--exp-dir", required=True, metavar="EXP")
+    p.add_argument("--by", choices=["best", "last"], default="best")
+    p.add_argument("--num", type=int, default=5, metavar="N")
+    p.add_argument("--out", metavar="MODEL.pt", help="default: EXP/model_avg.pt")
+    p.set_defaults(func=cmd_not_built)
+
+    p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)")
+    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("--manifest", required=True, metavar="TEST.jsonl")
+    p.add_argument("--out-dir", required=True, metavar="DIR")
+    p.add_argument("--config", metavar="conf/decode/X.yaml")
+    p.add_argument("--mode", choices=["attention", "ctc_greedy", "ctc_rescore", "greedy"])
+    p.add_argument("--beam-size", type=int, metavar="N")
+    p.add_argument("--ctc-weight", type=float, metavar="W")
+    p.add_argument("--batch-size", type=int, metavar="B")
+    p.add_argument("--device", metavar="D")
+    p.add_argument("overrides", nargs="*", metavar="decoding.key=value")
+    p.set_defaults(func=cmd_not_built)
+
+    p = sub.add_parser("transcribe", help="transcribe audio files with a model file")
+    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("audio", nargs="+", metavar="AUDIO")
+    p.add_argument("--format", choices=["txt", "json", "srt"], default="txt")
+    p.add_argument("--beam-size", type=int, metavar="N")
+    p.add_argument("--device", metavar="D")
+    p.set_defaults(func=cmd_not_built)
+
+    p = sub.add_parser("wer", help="word and character error rates of HYP against REF")
+    p.add_argument("ref", metavar="REF", help="Kaldi-style 'ID WORDS' text file, or a manifest")
+    p.add_argument("hyp", metavar="HYP", help="Kaldi-style 'ID WORDS' text file, or a manifest")
+    p.add_argument("--errors", metavar="FILE", help="write per-utterance alignments, worst first")
+    p.add_argument("--json", action="store_true", help="also print the counts as JSON")
+    p.set_defaults(func=cmd_wer)
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except NotBuilt as e:
+        print(e, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"asr {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line for users; the traceback with -v or ASR_DEBUG=1
+        if args.verbose or os.environ.get("ASR_DEBUG"):
+            traceback.print_exc()
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"asr {args.command}: error: {reason}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

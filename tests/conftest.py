@@ -1,0 +1,32 @@
+"""Shared fixtures: the real-speech folder (skipped when absent) and the test markers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REALSPEECH = Path(__file__).resolve().parents[1].parent / "shared" / "realspeech"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds; run by .ci/run after the fast suite")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def realspeech() -> Path:
+    """../shared/realspeech beside the checkout: real recordings for preparation tests."""
+    if not REALSPEECH.is_dir():
+        pytest.skip("../shared/realspeech is absent")
+    return REALSPEECH

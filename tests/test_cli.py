@@ -1,0 +1,113 @@
+"""The `asr` command from the outside: help, exit codes, one-line errors, the data commands."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+COMMANDS = ["prepare", "tokenizer", "cmvn", "train", "average", "decode", "transcribe", "wer"]
+
+
+def asr(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "asr.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def test_help_lists_every_subcommand():
+    out = asr("--help")
+    assert out.returncode == 0
+    for command in COMMANDS:
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS + ["prepare librispeech", "prepare kaldi"])
+def test_every_subcommand_has_help(command):
+    out = asr(*command.split(), "--help")
+    assert out.returncode == 0 and "usage: asr" in out.stdout
+
+
+def test_help_is_instant():
+    # `asr --help` must not import torch: check in a fresh interpreter.
+    code = "import sys; from asr.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_wer_command(tmp_path):
+    (tmp_path / "ref").write_text("u1 A B C D\nu2 HELLO WORLD\n")
+    (tmp_path / "hyp").write_text("u1 a x c\nu2 Hello, world!\n")
+    out = asr("wer", tmp_path / "ref", tmp_path / "hyp", "--json", "--errors", tmp_path / "errors.txt")
+    assert out.returncode == 0, out.stderr
+    counts = json.loads(out.stdout.splitlines()[0])
+    assert (counts["substitutions"], counts["deletions"], counts["insertions"], counts["words"]) == (1, 1, 0, 6)
+    assert "33.3" in out.stdout.strip().splitlines()[-1]
+    assert (tmp_path / "errors.txt").read_text().index("u1") < (tmp_path / "errors.txt").read_text().index("u2")
+
+
+def test_wer_id_only_in_hyp_is_an_error(tmp_path):
+    (tmp_path / "ref").write_text("u1 A\n")
+    (tmp_path / "hyp").write_text("u1 A\nu9 B\n")
+    out = asr("wer", tmp_path / "ref", tmp_path / "hyp")
+    assert out.returncode != 0
+    assert "u9" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_errors_are_one_line_and_nonzero(tmp_path):
+    out = asr("tokenizer", "--manifest", tmp_path / "missing.jsonl", "--kind", "char", "--out", tmp_path / "t")
+    assert out.returncode == 1
+    assert len(out.stderr.strip().splitlines()) == 1 and "missing.jsonl" in out.stderr
+
+
+def test_not_built_commands_exit_2(tmp_path):
+    out = asr("average", "--exp-dir", tmp_path)
+    if "not built yet" in out.stderr:
+        assert out.returncode == 2
+
+
+def write_corpus(tmp_path, n=4):
+    """A tiny Kaldi data dir and manifest of tones (real audio files, generated here)."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "kaldi"
+    data.mkdir()
+    texts = ["HELLO WORLD", "GOOD MORNING", "SPEECH RECOGNITION", "ONE TWO THREE"]
+    with open(data / "wav.scp", "w") as scp, open(data / "text", "w") as text:
+        for i in range(n):
+            path = tmp_path / f"utt{i}.wav"
+            sf.write(path, (0.1 * rng.standard_normal(16000 + 4000 * i)).astype(np.float32), 16000)
+            scp.write(f"utt{i} {path}\n")
+            text.write(f"utt{i} {texts[i % len(texts)].lower()}!\n")
+    return data
+
+
+def test_prepare_kaldi_tokenizer_cmvn_pipeline(tmp_path):
+    data = write_corpus(tmp_path)
+    manifest = tmp_path / "train.jsonl"
+    out = asr("prepare", "kaldi", data, manifest, "--speed-perturb", "0.9,1.1")
+    assert out.returncode == 0, out.stderr
+    utts = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert len(utts) == 12
+    assert {u["id"] for u in utts} >= {"utt0", "sp0.9-utt0", "sp1.1-utt3"}
+    assert next(u for u in utts if u["id"] == "utt0")["text"] == "HELLO WORLD"
+
+    out = asr("tokenizer", "--manifest", manifest, "--kind", "char", "--out", tmp_path / "tok")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    out = asr("tokenizer", "--manifest", manifest, "--kind", "bpe", "--vocab-size", "10000", "--out", tmp_path / "b")
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
+
+    out = asr("cmvn", "--manifest", manifest, "--out", tmp_path / "cmvn.json")
+    assert out.returncode == 0, out.stderr
+    stats = json.loads((tmp_path / "cmvn.json").read_text())
+    assert isinstance(stats, dict)
+
+
+def test_prepare_librispeech_real(realspeech, tmp_path):
+    out = asr("prepare", "librispeech", realspeech / "LibriSpeech", tmp_path, "--parts", "dev-clean,test-clean")
+    assert out.returncode == 0, out.stderr
+    assert len((tmp_path / "dev-clean.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "test-clean.jsonl").read_text().splitlines()) == 8
+    assert not (tmp_path / "train-clean-100.jsonl").exists()
