@@ -1,0 +1,419 @@
+"""Acoustic frontend: Kaldi-compatible log-mel filterbanks, global CMVN and SpecAugment.
+
+    feats = fbank(wave, FeatureConfig())                 # (T,) 16 kHz float32 -> (num_frames, 80)
+    stats = CMVNStats(); stats.add(feats); stats.save("cmvn.json")
+    cmvn = GlobalCMVN(CMVNStats.load("cmvn.json"))       # (T, D) or (B, T, D) -> normalized
+    feats = spec_augment(padded, feat_lens, SpecAugmentConfig(), generator=g)   # training only
+
+Shape legend: B = batch, T = frames (10 ms each by default), D = feature bins (n_mels).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchaudio.compliance import kaldi
+
+from asr.audio import SAMPLE_RATE  # 16 kHz: the only rate the frontend takes
+
+__all__ = [
+    "CMVNError",
+    "CMVNStats",
+    "FeatureConfig",
+    "GlobalCMVN",
+    "SpecAugmentConfig",
+    "fbank",
+    "frame_sizes",
+    "num_frames",
+    "spec_augment",
+]
+
+INT16_SCALE = 32768.0  # float [-1, 1) waveform -> int16 range, as Kaldi's fbank expects
+_MS = 0.001  # the same milliseconds-to-seconds factor as torchaudio, so the frame sizes agree
+
+
+# ---------------------------------------------------------------------------------- fbank
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """Log-mel filterbank settings. `dither` is in int16 units and applied in training only."""
+
+    n_mels: int = 80
+    frame_length_ms: float = 25.0
+    frame_shift_ms: float = 10.0
+    dither: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.n_mels < 1:
+            raise ValueError(f"features: n_mels must be >= 1, got {self.n_mels}")
+        if self.frame_length_ms <= 0 or self.frame_shift_ms <= 0:
+            raise ValueError("features: frame_length_ms and frame_shift_ms must be > 0")
+        if self.dither < 0:
+            raise ValueError(f"features: dither must be >= 0, got {self.dither}")
+
+
+DEFAULT_FEATURES = FeatureConfig()
+
+
+def frame_sizes(config: FeatureConfig = DEFAULT_FEATURES, sample_rate: int = SAMPLE_RATE) -> tuple[int, int]:
+    """(window, hop) in samples, computed exactly as torchaudio's kaldi.fbank computes them."""
+    window = int(sample_rate * config.frame_length_ms * _MS)
+    hop = int(sample_rate * config.frame_shift_ms * _MS)
+    if window < 2 or hop < 1:
+        raise ValueError(f"features: window {window} / hop {hop} samples at {sample_rate} Hz; "
+                         "need at least 2 / 1")
+    return window, hop
+
+
+def num_frames(num_samples: int, config: FeatureConfig = DEFAULT_FEATURES,
+               sample_rate: int = SAMPLE_RATE) -> int:
+    """Frames `fbank` gives for `num_samples` samples (snip_edges: only whole windows).
+
+    0 when shorter than one window, else 1 + (num_samples - window) // hop.
+    """
+    window, hop = frame_sizes(config, sample_rate)
+    if num_samples < window:
+        return 0
+    return 1 + (num_samples - window) // hop
+
+
+def fbank(
+    wave: torch.Tensor,
+    config: FeatureConfig,
+    *,
+    training: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Log-mel filterbank of a 16 kHz mono waveform: (N,) float -> (num_frames(N), n_mels) float32.
+
+    The waveform is scaled to int16 range first (Kaldi convention). Gaussian dither of
+    `config.dither` int16 units is added only when `training`, drawn from `generator` (the global
+    RNG when None; added to the waveform, not per frame as Kaldi does), so training features are
+    reproducible from the generator's seed; evaluation features are deterministic. Input shorter
+    than one window gives an empty (0, n_mels) tensor.
+    Kaldi defaults otherwise: povey window, pre-emphasis 0.97, DC removal, 20 Hz low cut, power
+    spectrum, log floored at float32 eps (`energy_floor` only matters with use_energy, unused).
+    """
+    if wave.dim() != 1:
+        raise ValueError(f"fbank: expected a 1-D waveform, got shape {tuple(wave.shape)}")
+    window, _ = frame_sizes(config)
+    if wave.numel() < window:
+        return torch.empty(0, config.n_mels, dtype=torch.float32, device=wave.device)
+    x = wave.to(torch.float32) * INT16_SCALE  # (N,) int16 units
+    if training and config.dither > 0:
+        x = x + config.dither * _randn(tuple(x.shape), generator, x.device)
+    return kaldi.fbank(
+        x.unsqueeze(0),
+        num_mel_bins=config.n_mels,
+        frame_length=config.frame_length_ms,
+        frame_shift=config.frame_shift_ms,
+        dither=0.0,  # ours above: deterministic from the generator, training only
+        sample_frequency=SAMPLE_RATE,
+        snip_edges=True,
+    )  # (num_frames, n_mels) float32
+
+
+def _rand_device(generator: torch.Generator | None, device: torch.device) -> torch.device:
+    """Draw on the generator's device (a CPU generator cannot fill a CUDA tensor)."""
+    return generator.device if generator is not None else device
+
+
+def _randn(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Standard normal float32."""
+    return torch.randn(shape, generator=generator, device=_rand_device(generator, device)).to(device)
+
+
+def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Uniform [0, 1) float64 (float64 so that floor(u * (n + 1)) <= n holds for any realistic n)."""
+    u = torch.rand(shape, generator=generator, device=_rand_device(generator, device), dtype=torch.float64)
+    return u.to(device)
+
+
+# ----------------------------------------------------------------------------------- CMVN
+
+
+class CMVNError(ValueError):
+    """A CMVN statistics file that cannot be read: str(e) == "<path>: <reason>"."""
+
+
+class CMVNStats:
+    """Global mean / variance statistics accumulated in float64 over frames.
+
+    `count` (frames, float), `sum` (D,) and `sum_sq` (D,) float64 tensors; D is fixed by the
+    constructor or by the first `add`. `std` floors the variance at `var_floor`.
+    """
+
+    def __init__(self, dim: int | None = None, *, var_floor: float = 1e-5) -> None:
+        self.count = 0.0
+        self.sum: torch.Tensor | None = None  # (D,) float64
+        self.sum_sq: torch.Tensor | None = None  # (D,) float64
+        self.var_floor = var_floor
+        if dim is not None:
+            self._init(dim)
+
+    def _init(self, dim: int) -> None:
+        self.sum = torch.zeros(dim, dtype=torch.float64)
+        self.sum_sq = torch.zeros(dim, dtype=torch.float64)
+
+    @property
+    def dim(self) -> int | None:
+        return None if self.sum is None else self.sum.numel()
+
+    def _check_dim(self, dim: int) -> None:
+        if self.sum is None:
+            self._init(dim)
+        elif dim != self.dim:
+            raise ValueError(f"CMVN: features of dimension {dim} added to statistics of dimension "
+                             f"{self.dim}")
+
+    def add(self, feats: torch.Tensor) -> None:
+        """Accumulate the frames of one utterance, feats (T, D); T may be 0."""
+        if feats.dim() != 2:
+            raise ValueError(f"CMVN: expected (T, D) features, got shape {tuple(feats.shape)}")
+        self._check_dim(feats.shape[1])
+        x = feats.detach().to("cpu", torch.float64)  # (T, D)
+        if not torch.isfinite(x).all():
+            raise ValueError("CMVN: features contain NaN or inf")
+        self.count += float(x.shape[0])
+        self.sum += x.sum(0)
+        self.sum_sq += (x * x).sum(0)
+
+    def merge(self, other: CMVNStats) -> CMVNStats:
+        """Add `other`'s statistics into these (in place, like `add`); returns self."""
+        if other.sum is None:
+            return self
+        self._check_dim(other.dim)
+        self.count += other.count
+        self.sum += other.sum
+        self.sum_sq += other.sum_sq
+        return self
+
+    def _require_frames(self) -> None:
+        if self.count <= 0:
+            raise ValueError("CMVN: no frames accumulated")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """(D,) float64."""
+        self._require_frames()
+        return self.sum / self.count
+
+    @property
+    def std(self) -> torch.Tensor:
+        """(D,) float64, sqrt(max(E[x^2] - mean^2, var_floor))."""
+        mean = self.mean
+        var = self.sum_sq / self.count - mean * mean
+        return var.clamp(min=self.var_floor).sqrt()
+
+    def to_dict(self) -> dict:
+        """{"count": float, "sum": [float] * D, "sum_sq": [float] * D}: plain Python, JSON-safe."""
+        self._require_frames()
+        return {"count": float(self.count), "sum": self.sum.tolist(), "sum_sq": self.sum_sq.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CMVNStats:
+        """Inverse of `to_dict`; TypeError / ValueError (one line) on a missing key or a bad value."""
+        if not isinstance(d, dict):
+            raise TypeError(f"CMVN statistics must be a dict, got {type(d).__name__}")
+        for key in ("count", "sum", "sum_sq"):
+            if key not in d:
+                raise ValueError(f"CMVN statistics: missing key '{key}'")
+        count = _finite_float(d["count"], "count")
+        total, total_sq = _float_list(d["sum"], "sum"), _float_list(d["sum_sq"], "sum_sq")
+        if count <= 0:
+            raise ValueError(f"CMVN statistics: count must be > 0, got {count}")
+        if not total or len(total) != len(total_sq):
+            raise ValueError(f"CMVN statistics: 'sum' ({len(total)}) and 'sum_sq' ({len(total_sq)}) "
+                             "must be non-empty lists of one length")
+        stats = cls()
+        stats.count = count
+        stats.sum = torch.tensor(total, dtype=torch.float64)
+        stats.sum_sq = torch.tensor(total_sq, dtype=torch.float64)
+        return stats
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON atomically (temporary file in the same folder, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict()) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CMVNStats:
+        """Read a file written by `save`; CMVNError "<path>: <reason>" when missing or malformed."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CMVNError(f"{path}: cannot read CMVN statistics ({e.strerror or e})") from None
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise CMVNError(f"{path}: not a JSON CMVN file (line {e.lineno}: {e.msg})") from None
+        except (TypeError, ValueError) as e:
+            raise CMVNError(f"{path}: {e}") from None
+
+
+def _finite_float(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"CMVN statistics: '{key}' must hold finite numbers, got {value!r}")
+    return float(value)
+
+
+def _float_list(value: object, key: str) -> list[float]:
+    if not isinstance(value, list):
+        raise TypeError(f"CMVN statistics: '{key}' must be a list, got {type(value).__name__}")
+    return [_finite_float(v, key) for v in value]
+
+
+class GlobalCMVN(torch.nn.Module):
+    """(feats - mean) / std with the statistics' float64 mean / std stored as float32 buffers.
+
+    Works on (T, D) and (B, T, D); padded frames are transformed too, so apply it before padding
+    (or re-mask after).
+    """
+
+    def __init__(self, stats: CMVNStats) -> None:
+        super().__init__()
+        self.register_buffer("mean", stats.mean.to(torch.float32))  # (D,)
+        self.register_buffer("inv_std", (1.0 / stats.std).to(torch.float32))  # (D,)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return (feats - self.mean) * self.inv_std
+
+
+# ---------------------------------------------------------------------------- SpecAugment
+
+
+@dataclass(frozen=True)
+class SpecAugmentConfig:
+    """SpecAugment on CMVN-normalized features (masks set to 0 = the mean). 0 masks = off.
+
+    Frequency masks: width uniform in [0, freq_width] bins. Time masks: width uniform in
+    [0, min(max_time_width, time_width_ratio * length)] frames, scaled to each utterance.
+    Time warp: the frame at a random point moves by up to `time_warp` frames (0 = off).
+    """
+
+    freq_masks: int = 2
+    freq_width: int = 27
+    time_masks: int = 10
+    time_width_ratio: float = 0.05
+    max_time_width: int = 40
+    time_warp: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("freq_masks", "freq_width", "time_masks", "max_time_width", "time_warp"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"specaug: {name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.time_width_ratio <= 1.0:
+            raise ValueError(f"specaug: time_width_ratio must be in [0, 1], got {self.time_width_ratio}")
+
+
+def spec_augment(
+    feats: torch.Tensor,
+    feat_lens: torch.Tensor,
+    config: SpecAugmentConfig,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Augmented copy of a padded batch: feats (B, T, D), feat_lens (B,) -> (B, T, D).
+
+    Only frames t < feat_lens[b] change; padded frames keep their values exactly. Deterministic
+    given `generator`'s state (the global RNG when None). Vectorized over batch and masks.
+    """
+    if feats.dim() != 3 or feat_lens.shape != (feats.shape[0],):
+        raise ValueError(f"spec_augment: expected feats (B, T, D) and feat_lens (B,), "
+                         f"got {tuple(feats.shape)} and {tuple(feat_lens.shape)}")
+    B, T, D = feats.shape
+    lens = feat_lens.to(feats.device, torch.long)  # (B,)
+    if B and (lens.min() < 0 or lens.max() > T):
+        raise ValueError(f"spec_augment: feat_lens must lie in [0, {T}], got {feat_lens.tolist()}")
+    valid = torch.arange(T, device=feats.device) < lens[:, None]  # (B, T)
+    out = _time_warp(feats, lens, valid, config.time_warp, generator) if config.time_warp else feats
+    masked = valid[:, :, None] & (  # (B, T, D)
+        _freq_mask(B, D, config, generator, feats.device)[:, None, :]
+        | _time_mask(lens, T, config, generator)[:, :, None]
+    )
+    return out.masked_fill(masked, 0.0)  # a new tensor, even when nothing is masked
+
+
+def _band_mask(
+    size: int, max_width: torch.Tensor, limit: torch.Tensor, n_masks: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """n_masks bands per row over `size` positions: (R, size) bool, True = masked.
+
+    Row r draws width ~ U{0..max_width[r]} and start ~ U{0..limit[r] - width}, so each band
+    lies inside [0, limit[r]). max_width, limit: (R,) long with max_width <= limit.
+    """
+    R, device = max_width.shape[0], max_width.device
+    u = _rand((R, n_masks, 2), generator, device)  # (R, M, 2)
+    width = (u[..., 0] * (max_width[:, None] + 1)).long()  # (R, M)
+    start = (u[..., 1] * (limit[:, None] - width + 1)).long()  # (R, M)
+    pos = torch.arange(size, device=device)[None, None, :]  # (1, 1, size)
+    inside = (pos >= start[..., None]) & (pos < (start + width)[..., None])  # (R, M, size)
+    return inside.any(dim=1)
+
+
+def _freq_mask(
+    B: int, D: int, config: SpecAugmentConfig, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """(B, D) bool: the frequency bins masked in each utterance."""
+    if not config.freq_masks:
+        return torch.zeros(B, D, dtype=torch.bool, device=device)
+    limit = torch.full((B,), D, dtype=torch.long, device=device)
+    return _band_mask(D, limit.clamp(max=config.freq_width), limit, config.freq_masks, generator)
+
+
+def _time_mask(
+    lens: torch.Tensor, T: int, config: SpecAugmentConfig, generator: torch.Generator | None
+) -> torch.Tensor:
+    """(B, T) bool: the frames masked in each utterance, all below its length."""
+    if not config.time_masks:
+        return torch.zeros(lens.shape[0], T, dtype=torch.bool, device=lens.device)
+    max_width = (lens * config.time_width_ratio).long().clamp(max=config.max_time_width)  # (B,)
+    return _band_mask(T, max_width, lens, config.time_masks, generator)
+
+
+def _time_warp(
+    feats: torch.Tensor, lens: torch.Tensor, valid: torch.Tensor, warp: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Piecewise-linear time warp of each utterance's valid frames (linear interpolation).
+
+    A centre c uniform in [warp, L - 1 - warp] moves to c' = c + U(-warp, warp); output frame t
+    reads source position t * c / c' before c' and c + (t - c') (L-1-c) / (L-1-c') after, so the
+    first and last valid frames stay put. Utterances with L < 2 * warp + 2 are left as they are.
+    """
+    B, T, D = feats.shape
+    warped = lens >= 2 * warp + 2  # (B,) which utterances are long enough
+    hi = (lens - 1).clamp(min=0)  # (B,) index of the last valid frame
+    last = torch.where(warped, hi, 2 * warp + 1).to(torch.float64)  # (B,) a safe dummy where not warped
+    u = _rand((B, 2), generator, feats.device)  # (B, 2)
+    centre = warp + u[:, 0] * (last - 2 * warp)  # (B,) in [warp, last - warp]
+    moved = (centre + (2 * u[:, 1] - 1) * warp).clamp(min=1.0)  # (B,) c' = c + U(-warp, warp)
+    moved = torch.minimum(moved, last - 1)  # in [1, last - 1]: both pieces have positive length
+    t = torch.arange(T, device=feats.device, dtype=torch.float64)[None, :]  # (1, T)
+    left = t * (centre / moved)[:, None]  # (B, T)
+    right = centre[:, None] + (t - moved[:, None]) * ((last - centre) / (last - moved))[:, None]
+    src = torch.where(t <= moved[:, None], left, right)  # (B, T) source positions
+    src = torch.minimum(src.clamp(min=0.0), hi[:, None].to(torch.float64))
+    i0 = src.floor().long()  # (B, T)
+    i1 = torch.minimum(i0 + 1, hi[:, None])
+    frac = (src - i0).to(feats.dtype)[:, :, None]  # (B, T, 1)
+    rows = feats.reshape(B * T, D)  # whole-row selection is much faster than gather over D
+    offset = torch.arange(B, device=feats.device)[:, None] * T  # (B, 1)
+    x0 = rows.index_select(0, (i0 + offset).reshape(-1)).view(B, T, D)
+    x1 = rows.index_select(0, (i1 + offset).reshape(-1)).view(B, T, D)
+    keep = (valid & warped[:, None])[:, :, None]  # (B, T, 1)
+    return torch.where(keep, torch.lerp(x0, x1, frac), feats)
