@@ -1,0 +1,443 @@
+"""Stage 0 of the synthetic-speech recipe: a corpus spoken by eSpeak NG (PyPI `espeakng-loader`).
+
+    python recipes/synth/local/synthesize.py --out-dir DATA --num-train N --num-dev M --num-test K \\
+        [--seed S] [--text FILE] [--jobs J] [--test-accents en-gb-scotland,en-us-nyc]
+
+writes DATA/wav/<split>/<id>.flac (16 kHz mono 16-bit FLAC) and DATA/{train,dev,test}.jsonl,
+manifests in the DESIGN.md format: {"id", "audio" (relative to DATA), "duration" (frames / 16000,
+exact), "text" (normalized), "speaker" ("<accent>+<variant>")}, sorted by id.
+
+Splits. train: sentences of the training templates, training accents. dev: other sentences of
+the training templates (none in train), training accents. test: sentences of the test templates
+(none in train or dev), spoken only in the held-out accents: whole eSpeak language voices, not
+variants of trained ones. Every utterance draws its voice variant, speed (words per minute),
+pitch, pitch range, volume and edge silences at random; the plan is deterministic given the seed
+(the samples are not bit-exact: eSpeak keeps state between utterances).
+
+Re-running is cheap: a FLAC whose stored plan key matches is kept; files are written to a
+temporary name and renamed, and manifests are written last, atomically. eSpeak is not
+thread-safe: each worker process initializes its own engine.
+
+This helper needs only numpy, soundfile and espeakng-loader (not the toolkit).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import random
+import re
+import sys
+import time
+import unicodedata
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# One BLAS thread per process: the work is spread over processes, and OpenBLAS threads spinning
+# against each other on a busy 2-core machine make the resampler 10-50x slower. Set before numpy
+# loads (and inherited by the spawned workers).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+import soundfile as sf  # noqa: E402
+from make_text import make_sentences, number_words, ordinal_words  # noqa: E402 (this script's folder)
+
+SAMPLE_RATE = 16000
+SPLITS = ("train", "dev", "test")
+
+# English language voices of eSpeak NG 1.52 (espeak-ng-data/lang/gmw). en-shaw is left out: it is
+# "en" meant for the Shavian alphabet and sounds the same on Latin text.
+ACCENTS = ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029",
+           "en-gb-scotland", "en-us-nyc")
+TEST_ACCENTS = ("en-gb-scotland", "en-us-nyc")
+# Voice variants (espeak-ng-data/voices/!v) that sound like people; "" is the accent's own voice.
+# Left out: whisper, robots, echo-heavy and novelty variants (croak, Demonic, zac, ...).
+VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5",
+            "klatt", "klatt2", "klatt3", "klatt4", "Alex", "Andy", "Annie", "Denis", "Gene",
+            "Mike", "Michael", "Mario", "adam", "benjamin", "david", "edward", "linda", "belinda",
+            "aunty", "steph", "paul", "robert", "quincy", "rob", "travis", "victor", "max",
+            "boris", "gustave", "ed", "grandpa", "grandma", "shelby")
+RATE_WPM = (130, 200)      # espeakRATE, words per minute (eSpeak's default is 175)
+PITCH = (25, 75)           # espeakPITCH, 0-100 (default 50)
+PITCH_RANGE = (20, 80)     # espeakRANGE, 0-100 (default 50)
+VOLUME = (50, 100)         # espeakVOLUME, percent (default 100; louder variants clip above it)
+EDGE_SILENCE = (0.05, 0.3)  # seconds of silence added before and after the speech
+
+# speak_lib.h
+_AUDIO_OUTPUT_SYNCHRONOUS = 2
+_INITIALIZE_DONT_EXIT = 0x8000
+_POS_CHARACTER = 1
+_CHARS_UTF8 = 1
+_RATE, _VOLUME, _PITCH, _RANGE = 1, 2, 3, 4
+_SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+
+
+class SynthError(RuntimeError):
+    """A one-line reason naming the utterance, voice or file at fault."""
+
+
+# --- plan -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Utt:
+    """One utterance to synthesize: its text and how to speak it."""
+
+    id: str
+    split: str
+    text: str  # normalized, as in the manifest
+    voice: str  # "<accent>+<variant>" or "<accent>"
+    wpm: int  # speed, words per minute
+    pitch: int
+    pitch_range: int
+    volume: int
+    lead: float  # seconds of silence before the speech
+    tail: float  # seconds of silence after
+
+    @property
+    def audio(self) -> str:
+        """Path of the FLAC relative to the output folder."""
+        return f"wav/{self.split}/{self.id}.flac"
+
+    @property
+    def key(self) -> str:
+        """Digest of everything that shapes the audio, stored in the FLAC to recognize it."""
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+
+def voices(accents: tuple[str, ...]) -> list[str]:
+    """Every accent with every variant: ["en-us", "en-us+m1", ...]."""
+    return [f"{a}+{v}" if v else a for a in accents for v in VARIANTS]
+
+
+def plan_split(split: str, texts: list[str], voice_list: list[str], seed: int) -> list[Utt]:
+    """Utterances of a split: voices dealt evenly (shuffled decks), prosody drawn per utterance."""
+    rng = random.Random(f"synth-voices:{split}:{seed}")
+    deck: list[str] = []
+    utts = []
+    for i, text in enumerate(texts):
+        if not deck:
+            deck = rng.sample(voice_list, len(voice_list))
+        utts.append(Utt(
+            id=f"{split}-{i:06d}", split=split, text=text, voice=deck.pop(),
+            wpm=rng.randint(*RATE_WPM), pitch=rng.randint(*PITCH), pitch_range=rng.randint(*PITCH_RANGE),
+            volume=rng.randint(*VOLUME),
+            lead=round(rng.uniform(*EDGE_SILENCE), 3), tail=round(rng.uniform(*EDGE_SILENCE), 3),
+        ))
+    return utts
+
+
+def generated_texts(num: dict[str, int], seed: int) -> dict[str, list[str]]:
+    """Sentences of the built-in generator: dev continues the training stream (so no dev sentence is
+    a training one); test comes from the test templates, minus any sentence also in train or dev."""
+    stream = make_sentences(num["train"] + num["dev"], "train", seed)
+    seen = set(stream)
+    test = [s for s in make_sentences(2 * num["test"] + 10, "test", seed) if s not in seen]
+    if len(test) < num["test"]:
+        raise SynthError(f"only {len(test)} distinct test sentences for --num-test {num['test']}")
+    return {"train": stream[:num["train"]], "dev": stream[num["train"]:], "test": test[:num["test"]]}
+
+
+def file_texts(path: Path, num: dict[str, int], seed: int) -> dict[str, list[str]]:
+    """Sentences of a text file (one per line), normalized and de-duplicated, shuffled with the seed:
+    test and dev take distinct held-out sentences, train cycles through the rest."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SynthError(f"{path}: cannot read the text file: {e}") from e
+    sentences = list(dict.fromkeys(s for s in map(speakable, lines) if s))
+    random.Random(f"synth-file:{seed}").shuffle(sentences)
+    held_out = num["test"] + num["dev"]
+    rest = sentences[held_out:]
+    if len(sentences) < held_out or (not rest and num["train"] > 0):
+        raise SynthError(f"{path}: {len(sentences)} distinct sentences, need more than "
+                         f"--num-test + --num-dev = {held_out}")
+    train = [rest[i % len(rest)] for i in range(num["train"])]
+    return {"test": sentences[:num["test"]], "dev": sentences[num["test"]:held_out], "train": train}
+
+
+# --- text ---------------------------------------------------------------------------------------------
+
+_HYPHENS_SLASHES = re.compile(r"[-\u2010-\u2015\u2212/]")
+_NUMBER = re.compile(r"(\d+(?:,\d{3})*)(?:\.(\d+))?(ST|ND|RD|TH)?")
+
+
+def normalize(text: str) -> str:
+    """The toolkit's normalization rule (DESIGN.md; asr.metrics.normalize_text) without the toolkit:
+    NFKC, curly apostrophes to ', upper-case, hyphens and slashes to spaces, every other character
+    that is not a letter, digit, apostrophe inside a word or space removed, whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", text).replace("\u2019", "'").replace("\u2018", "'").upper()
+    text = _HYPHENS_SLASHES.sub(" ", text)
+    kept = []
+    for i, c in enumerate(text):
+        inside = 0 < i < len(text) - 1 and text[i - 1].isalnum() and text[i + 1].isalnum()
+        if c.isalnum() or c.isspace() or (c == "'" and inside):
+            kept.append(" " if c.isspace() else c)
+    return " ".join("".join(kept).split())
+
+
+def _number_as_words(m: re.Match[str]) -> str:
+    whole, decimals, suffix = m.group(1).replace(",", ""), m.group(2), m.group(3)
+    n = int(whole)
+    if suffix and 0 < n < 100 and not decimals:
+        words = ordinal_words(n)
+    elif n == 0 or (n < 10**9 and not whole.startswith("0")):
+        words = number_words(n)
+    else:  # codes and long numbers: digit by digit
+        words = " ".join(number_words(int(d)) for d in whole)
+    if decimals:
+        words += " POINT " + " ".join(number_words(int(d)) for d in decimals)
+    return f" {words} "
+
+
+def speakable(line: str) -> str:
+    """A line of user text as a normalized transcript with numbers in words (eSpeak says
+    "42" as "forty two", so the transcript must too)."""
+    upper = unicodedata.normalize("NFKC", line).upper()
+    return normalize(_NUMBER.sub(_number_as_words, upper))
+
+
+# --- audio --------------------------------------------------------------------------------------------
+
+
+class Resampler:
+    """Band-limited resampling with a Hann-windowed sinc, the same kernel as torchaudio's
+    functional.resample (lowpass_filter_width=6, rolloff=0.99), in numpy."""
+
+    def __init__(self, orig_rate: int, new_rate: int, lowpass_filter_width: int = 6, rolloff: float = 0.99) -> None:
+        g = math.gcd(orig_rate, new_rate)
+        self.orig, self.new = orig_rate // g, new_rate // g
+        base = min(self.orig, self.new) * rolloff
+        self.width = math.ceil(lowpass_filter_width * self.orig / base)
+        idx = np.arange(-self.width, self.width + self.orig) / self.orig  # (K,), K = 2 width + orig
+        t = (np.arange(0, -self.new, -1)[:, None] / self.new + idx[None, :]) * base  # (new, K)
+        t = np.clip(t, -lowpass_filter_width, lowpass_filter_width)
+        window = np.cos(t * np.pi / lowpass_filter_width / 2) ** 2
+        t *= np.pi
+        sinc = np.where(t == 0, 1.0, np.sin(t) / np.where(t == 0, 1.0, t))
+        self.kernels = np.ascontiguousarray((sinc * window * base / self.orig).T, np.float32)  # (K, new)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """(T,) float32 at orig_rate -> (ceil(T * new / orig),) float32 at new_rate."""
+        padded = np.pad(x.astype(np.float32), (self.width, self.width + self.orig))
+        windows = np.lib.stride_tricks.sliding_window_view(padded, self.kernels.shape[0])[:: self.orig]
+        y = (np.ascontiguousarray(windows) @ self.kernels).reshape(-1)  # (num_blocks * new,); BLAS wants contiguous
+        return y[: math.ceil(self.new * len(x) / self.orig)]
+
+
+def _loader() -> ModuleType:
+    """The espeakng_loader package (libespeak-ng and its data), or a clear error."""
+    try:
+        import espeakng_loader
+    except ImportError as e:
+        raise SynthError("espeakng-loader is not installed: pip install -e '.[synth]'") from e
+    return espeakng_loader
+
+
+class ESpeak:
+    """One eSpeak NG engine (one per process) in synchronous retrieval mode."""
+
+    def __init__(self) -> None:
+        espeakng_loader = _loader()
+        lib = ctypes.CDLL(espeakng_loader.get_library_path())
+        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+        lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
+                                     ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+        data = espeakng_loader.get_data_path()
+        self.sample_rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data.encode(), _INITIALIZE_DONT_EXIT)
+        if self.sample_rate <= 0:
+            raise SynthError(f"{data}: eSpeak NG failed to initialize (error {self.sample_rate})")
+        self._lib, self._chunks = lib, []
+        self._callback = _SYNTH_CALLBACK(self._collect)  # kept alive as long as the engine
+        lib.espeak_SetSynthCallback(self._callback)
+
+    def _collect(self, wav: Any, num_samples: int, events: Any) -> int:
+        if wav and num_samples > 0:
+            self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
+        return 0  # 0 = go on
+
+    def synthesize(self, text: str, voice: str, wpm: int = 175, pitch: int = 50, pitch_range: int = 50,
+                   volume: int = 100) -> np.ndarray:
+        """(T,) int16 samples at self.sample_rate (22050 Hz), without leading or trailing silence.
+
+        wpm: speed in words per minute; pitch, pitch_range: eSpeak's 0-100 scales (50 = the voice's
+        own); volume: percent.
+        """
+        if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
+            raise SynthError(f"eSpeak NG has no voice {voice!r}")
+        for parameter, value in ((_RATE, wpm), (_PITCH, pitch), (_RANGE, pitch_range), (_VOLUME, volume)):
+            self._lib.espeak_SetParameter(parameter, value, 0)
+        data = text.encode() + b"\0"
+        self._chunks.clear()
+        status = self._lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
+        if status != 0 or not self._chunks:
+            raise SynthError(f"eSpeak NG failed on {text!r} with voice {voice} (error {status})")
+        return np.concatenate(self._chunks)
+
+
+def render(utt: Utt, engine: ESpeak, resampler: Resampler) -> np.ndarray:
+    """The utterance's 16 kHz int16 waveform: speech resampled, with its edge silences."""
+    speech = engine.synthesize(utt.text.lower() + ".", utt.voice, utt.wpm, utt.pitch, utt.pitch_range, utt.volume)
+    y = np.clip(np.rint(resampler(speech.astype(np.float32))), -32768, 32767).astype(np.int16)
+    lead, tail = (np.zeros(round(s * SAMPLE_RATE), np.int16) for s in (utt.lead, utt.tail))
+    return np.concatenate([lead, y, tail])
+
+
+def existing_frames(path: Path, key: str) -> int | None:
+    """Frames of a finished FLAC made from the same plan (its comment holds the key), else None."""
+    try:
+        with sf.SoundFile(path) as f:
+            ok = f.comment == key and f.samplerate == SAMPLE_RATE and f.channels == 1 and f.frames > 0
+            return f.frames if ok else None
+    except (sf.LibsndfileError, RuntimeError, OSError):
+        return None
+
+
+def write_flac(path: Path, samples: np.ndarray, key: str) -> None:
+    """16-bit mono FLAC written under a temporary name, then renamed (never a partial file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with sf.SoundFile(tmp, "w", SAMPLE_RATE, 1, "PCM_16", format="FLAC") as f:
+            f.comment = key
+            f.write(samples)
+        os.replace(tmp, path)
+    except (OSError, sf.LibsndfileError) as e:
+        raise SynthError(f"{path}: cannot write: {e}") from None
+
+
+# --- workers --------------------------------------------------------------------------------------------
+
+_worker: tuple[ESpeak, Resampler] | None = None  # this process's engine
+
+
+def _init_worker() -> None:
+    global _worker
+    engine = ESpeak()
+    _worker = (engine, Resampler(engine.sample_rate, SAMPLE_RATE))
+
+
+def _synthesize_one(task: tuple[Utt, str]) -> tuple[str, int, bool]:
+    """(utterance, output folder) -> (id, frames, reused) in a worker."""
+    utt, out_dir = task
+    path = Path(out_dir) / utt.audio
+    frames = existing_frames(path, utt.key)
+    if frames is not None:
+        return utt.id, frames, True
+    if _worker is None:
+        _init_worker()
+    engine, resampler = _worker
+    try:
+        samples = render(utt, engine, resampler)
+    except SynthError as e:
+        raise SynthError(f"{utt.id}: {e}") from None
+    write_flac(path, samples, utt.key)
+    return utt.id, len(samples), False
+
+
+def run_plan(utts: list[Utt], out_dir: Path, jobs: int) -> tuple[dict[str, int], int]:
+    """Synthesize (or reuse) every utterance; returns ({id: frames}, number reused)."""
+    tasks = [(u, str(out_dir)) for u in utts]
+    frames, reused, started = {}, 0, time.time()
+    if jobs <= 1:
+        results = map(_synthesize_one, tasks)
+        pool = None
+    else:  # spawn: eSpeak is not fork-safe once initialized; each worker starts its own engine on
+        # its first task (an engine that fails there is a task error, not a pool respawning forever)
+        pool = multiprocessing.get_context("spawn").Pool(jobs)
+        results = pool.imap_unordered(_synthesize_one, tasks, chunksize=16)
+    try:
+        for n, (uid, count, was_reused) in enumerate(results, 1):
+            frames[uid], reused = count, reused + was_reused
+            if n % 1000 == 0:
+                print(f"  {n}/{len(tasks)} utterances, {time.time() - started:.0f} s", file=sys.stderr)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return frames, reused
+
+
+# --- main ------------------------------------------------------------------------------------------------
+
+
+def write_manifest(path: Path, utts: list[Utt], frames: dict[str, int]) -> None:
+    """JSON Lines manifest sorted by id, written atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for u in sorted(utts, key=lambda u: u.id):
+            line = {"id": u.id, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE,
+                    "text": u.text, "speaker": u.voice}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def check_voices(test_accents: tuple[str, ...]) -> None:
+    """Refuse unknown accents or variants before starting (eSpeak silently ignores an unknown variant)."""
+    unknown = [a for a in test_accents if a not in ACCENTS]
+    if unknown or len(test_accents) in (0, len(ACCENTS)):
+        raise SynthError(f"--test-accents {','.join(test_accents)}: choose some, not all, of {', '.join(ACCENTS)}")
+    variant_dir = Path(_loader().get_data_path()) / "voices" / "!v"
+    missing = [v for v in VARIANTS if v and not (variant_dir / v).is_file()]
+    if missing:
+        raise SynthError(f"{variant_dir}: no voice variants {', '.join(missing)}")
+
+
+def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text_file: Path | None = None,
+                      jobs: int = 1, test_accents: tuple[str, ...] = TEST_ACCENTS) -> dict[str, list[Utt]]:
+    """Plan, synthesize and write the corpus; returns the plan of each split."""
+    check_voices(test_accents)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = file_texts(text_file, num, seed) if text_file else generated_texts(num, seed)
+    train_accents = tuple(a for a in ACCENTS if a not in test_accents)
+    voice_lists = {"train": voices(train_accents), "dev": voices(train_accents), "test": voices(test_accents)}
+    plan = {s: plan_split(s, texts[s], voice_lists[s], seed) for s in SPLITS}
+    all_utts = [u for s in SPLITS for u in plan[s]]
+    started = time.time()
+    frames, reused = run_plan(all_utts, out_dir, jobs)
+    elapsed = time.time() - started
+    for split in SPLITS:
+        write_manifest(out_dir / f"{split}.jsonl", plan[split], frames)
+    made = len(all_utts) - reused
+    seconds = sum(frames.values()) / SAMPLE_RATE
+    print(f"synthesize: {len(all_utts)} utterances ({seconds / 3600:.2f} h) in {out_dir}: {made} made, "
+          f"{reused} kept, {elapsed:.1f} s with {jobs} process(es)"
+          + (f", {made / elapsed:.1f} utterances/s" if made and elapsed > 0 else ""), file=sys.stderr)
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, required=True, help="corpus folder (manifests and wav/)")
+    parser.add_argument("--num-train", type=int, required=True)
+    parser.add_argument("--num-dev", type=int, required=True)
+    parser.add_argument("--num-test", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--text", type=Path, help="sentences to speak instead of the generator's, one per line")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument("--test-accents", default=",".join(TEST_ACCENTS),
+                        help=f"held-out accents, spoken only in test (of {', '.join(ACCENTS)})")
+    args = parser.parse_args(argv)
+    num = {"train": args.num_train, "dev": args.num_dev, "test": args.num_test}
+    if min(num.values()) < 0:
+        parser.error("utterance counts must be >= 0")
+    try:
+        synthesize_corpus(args.out_dir, num, seed=args.seed, text_file=args.text, jobs=args.jobs,
+                          test_accents=tuple(filter(None, args.test_accents.split(","))))
+    except (SynthError, OSError) as e:
+        print(f"synthesize: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

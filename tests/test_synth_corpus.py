@@ -1,0 +1,189 @@
+"""Stage 0 of the synthetic-speech recipe: the text generator, the voice split and the synthesized corpus."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+LOCAL = Path(__file__).resolve().parents[1] / "recipes" / "synth" / "local"
+sys.path.insert(0, str(LOCAL))  # recipe helpers are scripts, not a package; spawned workers inherit the path
+
+import make_text  # noqa: E402
+import synthesize  # noqa: E402
+
+
+def accent(speaker: str) -> str:
+    return speaker.split("+")[0]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# --- text generator ----------------------------------------------------------------------------------
+
+
+def test_vocabulary_has_over_1000_words_and_covers_every_sentence():
+    vocab = make_text.vocabulary()
+    assert len(vocab) >= 1000
+    train = make_text.make_sentences(3000, "train", seed=0)
+    test = make_text.make_sentences(500, "test", seed=0)
+    train_words = {w for s in train for w in s.split()}
+    assert len(train_words) >= 1000  # the words really used, not only listed
+    assert {w for s in train + test for w in s.split()} <= vocab
+
+
+def test_test_templates_are_disjoint_from_training_and_add_no_words():
+    assert not set(make_text.TRAIN_TEMPLATES) & set(make_text.TEST_TEMPLATES)
+    train_kinds = set().union(*map(make_text.slot_kinds, make_text.TRAIN_TEMPLATES))
+    test_kinds = set().union(*map(make_text.slot_kinds, make_text.TEST_TEMPLATES))
+    assert test_kinds <= train_kinds  # verb forms included: "v_food:ing" must be trained too
+    assert make_text.template_words("test") <= make_text.template_words("train")
+    train = set(make_text.make_sentences(3000, "train", seed=0))
+    assert not train & set(make_text.make_sentences(500, "test", seed=0))
+
+
+def test_sentences_are_normalized_distinct_and_deterministic():
+    for split in ("train", "test"):
+        sentences = make_text.make_sentences(300, split, seed=7)
+        assert len(set(sentences)) == 300
+        for s in sentences:
+            assert make_text.is_normalized(s), s
+            assert synthesize.normalize(s) == s
+        assert sentences == make_text.make_sentences(300, split, seed=7)
+        assert sentences[:100] == make_text.make_sentences(100, split, seed=7)  # prefix-stable
+        assert sentences != make_text.make_sentences(300, split, seed=8)
+
+
+@pytest.mark.parametrize("n, words", [
+    (0, "ZERO"), (13, "THIRTEEN"), (40, "FORTY"), (99, "NINETY NINE"), (100, "ONE HUNDRED"),
+    (305, "THREE HUNDRED AND FIVE"), (1005, "ONE THOUSAND AND FIVE"),
+    (21_342, "TWENTY ONE THOUSAND THREE HUNDRED AND FORTY TWO"), (2_000_000, "TWO MILLION"),
+])
+def test_number_words(n, words):
+    assert make_text.number_words(n) == words
+
+
+def test_ordinals_years_articles_plurals():
+    assert make_text.ordinal_words(23) == "TWENTY THIRD"
+    assert make_text.ordinal_words(30) == "THIRTIETH"
+    assert make_text.year_words(1984) == "NINETEEN EIGHTY FOUR"
+    assert make_text.year_words(1905) == "NINETEEN OH FIVE"
+    assert make_text.year_words(2007) == "TWO THOUSAND AND SEVEN"
+    assert make_text.with_article("ORANGE CUP") == "AN ORANGE CUP"
+    assert make_text.with_article("USEFUL BOX") == "A USEFUL BOX"
+    assert [make_text.plural(w) for w in ("BOX", "CHERRY", "DONKEY", "KNIFE", "CHOCOLATE BAR")] == [
+        "BOXES", "CHERRIES", "DONKEYS", "KNIVES", "CHOCOLATE BARS"]
+
+
+def test_user_text_is_normalized_with_numbers_in_words():
+    assert synthesize.normalize("Rock-’n’-roll / jazz, isn't it?  'Yes'") == "ROCK N ROLL JAZZ ISN'T IT YES"
+    assert synthesize.speakable("Meet me at 10, on the 2nd of May!") == "MEET ME AT TEN ON THE SECOND OF MAY"
+    assert synthesize.speakable("1,250 people paid 3.5 euros, code 007") == (
+        "ONE THOUSAND TWO HUNDRED AND FIFTY PEOPLE PAID THREE POINT FIVE EUROS CODE ZERO ZERO SEVEN")
+
+
+# --- audio -------------------------------------------------------------------------------------------
+
+
+def test_resampler_matches_torchaudio():
+    import torch
+    import torchaudio
+
+    x = np.random.default_rng(0).standard_normal(22050 + 123).astype(np.float32)
+    ours = synthesize.Resampler(22050, 16000)(x)
+    ref = torchaudio.functional.resample(torch.from_numpy(x), 22050, 16000).numpy()
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
+def test_every_voice_exists():
+    synthesize.check_voices(synthesize.TEST_ACCENTS)
+    engine = synthesize.ESpeak()
+    for voice in synthesize.voices(synthesize.ACCENTS[:1]) + list(synthesize.ACCENTS):
+        assert len(engine.synthesize("hello there.", voice)) > 0.3 * engine.sample_rate, voice
+    with pytest.raises(synthesize.SynthError, match="no voice"):
+        engine.synthesize("hello.", "en-nowhere")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """3 utterances per split, synthesized by 2 worker processes."""
+    out = tmp_path_factory.mktemp("synth")
+    synthesize.synthesize_corpus(out, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=2)
+    return out
+
+
+def test_manifests_match_the_flac_files(corpus):
+    for split in synthesize.SPLITS:
+        utts = read_jsonl(corpus / f"{split}.jsonl")
+        assert [u["id"] for u in utts] == sorted(u["id"] for u in utts) and len(utts) == 3
+        for u in utts:
+            assert set(u) == {"id", "audio", "duration", "text", "speaker"}
+            assert not Path(u["audio"]).is_absolute()
+            info = sf.info(str(corpus / u["audio"]))
+            assert (info.samplerate, info.channels, info.format, info.subtype) == (16000, 1, "FLAC", "PCM_16")
+            assert u["duration"] == info.frames / 16000
+            samples = sf.read(str(corpus / u["audio"]), dtype="int16")[0]
+            assert len(samples) == info.frames and np.abs(samples).max() > 1000  # decodes, not silent
+            assert make_text.is_normalized(u["text"])
+
+
+def test_test_accents_are_never_heard_in_training(corpus):
+    speakers = {s: {u["speaker"] for u in read_jsonl(corpus / f"{s}.jsonl")} for s in synthesize.SPLITS}
+    train_accents = set(synthesize.ACCENTS) - set(synthesize.TEST_ACCENTS)
+    assert {accent(s) for s in speakers["train"] | speakers["dev"]} <= train_accents
+    assert {accent(s) for s in speakers["test"]} <= set(synthesize.TEST_ACCENTS)
+    texts = {s: {u["text"] for u in read_jsonl(corpus / f"{s}.jsonl")} for s in synthesize.SPLITS}
+    assert not texts["train"] & texts["dev"] and not texts["train"] & texts["test"]
+
+
+def test_plan_deals_voices_evenly_with_held_out_accents():
+    plan = synthesize.plan_split("test", ["HELLO"] * 200, synthesize.voices(synthesize.TEST_ACCENTS), seed=0)
+    counts = {}
+    for u in plan:
+        counts[u.voice] = counts.get(u.voice, 0) + 1
+    assert set(counts) == set(synthesize.voices(synthesize.TEST_ACCENTS)) and max(counts.values()) <= 3
+    assert all(synthesize.RATE_WPM[0] <= u.wpm <= synthesize.RATE_WPM[1] for u in plan)
+
+
+def test_rerun_keeps_finished_files_and_remakes_stale_ones(corpus, capsys):
+    stale = corpus / "wav" / "dev" / "dev-000000.flac"
+    sf.write(str(stale), np.zeros(1600, np.int16), 16000, format="FLAC")  # no plan key: must be remade
+    before = {p: p.stat().st_mtime_ns for p in corpus.glob("wav/*/*.flac") if p != stale}
+    synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=1)
+    assert "1 made, 8 kept" in capsys.readouterr().err
+    assert before == {p: p.stat().st_mtime_ns for p in corpus.glob("wav/*/*.flac") if p != stale}
+    dev = {u["id"]: u for u in read_jsonl(corpus / "dev.jsonl")}
+    assert dev["dev-000000"]["duration"] == sf.info(str(stale)).frames / 16000 > 0.5
+    assert not list(corpus.glob("wav/*/.*.tmp")) and not list(corpus.glob(".*.tmp"))
+
+
+def test_text_file_splits_sentences_and_spells_numbers(tmp_path):
+    lines = [f"Line number {i} of the file." for i in range(1, 9)] + ["", "Line number 1 of the file!"]
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(lines), encoding="utf-8")
+    out = tmp_path / "data"
+    assert synthesize.main(["--out-dir", str(out), "--num-train", "5", "--num-dev", "1", "--num-test", "2",
+                            "--text", str(text), "--jobs", "1"]) == 0
+    texts = {s: [u["text"] for u in read_jsonl(out / f"{s}.jsonl")] for s in synthesize.SPLITS}
+    assert len(texts["train"]) == 5 and len(texts["dev"]) == 1 and len(texts["test"]) == 2
+    assert not set(texts["train"]) & (set(texts["dev"]) | set(texts["test"]))
+    assert all(t.startswith("LINE NUMBER ") and t.endswith(" OF THE FILE") for ts in texts.values() for t in ts)
+    assert "LINE NUMBER ONE OF THE FILE" in sum(texts.values(), [])
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    assert synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "0",
+                            "--num-test", "0", "--test-accents", "en-mars"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "en-mars" in err
+    short = tmp_path / "short.txt"
+    short.write_text("one sentence\n", encoding="utf-8")
+    assert synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
+                            "--num-test", "1", "--text", str(short)]) == 1
+    assert "short.txt: 1 distinct sentences" in capsys.readouterr().err
