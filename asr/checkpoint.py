@@ -34,6 +34,7 @@ class CheckpointError(ValueError):
 def save_atomic(obj: Mapping[str, Any], path: str | Path) -> None:
     """torch.save to a temporary file in the same folder, fsync, then rename over `path`:
     a reader (or a crash) never sees a half-written file."""
+    _check_plain(obj, "")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -46,6 +47,24 @@ def save_atomic(obj: Mapping[str, Any], path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+_PLAIN = (str, int, float, bool, bytes, type(None), torch.Size)  # exact types: np.float64 is a float
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """Refuse, at save time, anything torch.load(weights_only=True) would refuse at load time."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"cannot save key {k!r} at '{where}': keys must be str or int")
+            _check_plain(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+    elif type(obj) not in _PLAIN and not isinstance(obj, torch.Tensor):
+        raise TypeError(f"cannot save {type(obj).__name__} at '{where}': model files hold only dicts, lists, "
+                        "strings, numbers, bytes and tensors")
 
 
 def load_file(path: str | Path, expected_format: str = MODEL_FORMAT, map_location: Any = "cpu") -> dict[str, Any]:
@@ -63,7 +82,9 @@ def load_file(path: str | Path, expected_format: str = MODEL_FORMAT, map_locatio
     if obj["format"] != expected_format:
         raise CheckpointError(f"{path}: is an '{obj['format']}' file, expected '{expected_format}'")
     version = obj.get("version")
-    if not isinstance(version, int) or version > VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{path}: has no valid format version ({version!r})")
+    if version > VERSION:
         raise CheckpointError(f"{path}: format version {version!r} is newer than this toolkit reads "
                               f"({VERSION}); upgrade the toolkit")
     return obj

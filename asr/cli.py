@@ -72,7 +72,7 @@ def cmd_cmvn(args: argparse.Namespace) -> int:
     from asr.features import FeatureConfig
 
     utts = read_manifest(args.manifest)
-    stats = compute_cmvn(utts, FeatureConfig(n_mels=args.n_mels))
+    stats = compute_cmvn(utts, FeatureConfig(n_mels=args.n_mels), num_workers=args.num_workers)
     stats.save(args.out)
     print(f"{args.out}: global CMVN over {int(stats.count)} frames of {len(utts)} utterances")
     return 0
@@ -89,6 +89,23 @@ def cmd_wer(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.stats.to_dict()))
     print(format_summary(report.stats))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from asr.trainer import load_experiment_config, train
+
+    config = load_experiment_config(args.config, args.overrides)
+    path = train(config, args.train, args.valid, args.exp_dir, tokenizer_dir=args.tokenizer, cmvn_path=args.cmvn)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{path}: the final model; 'asr average --exp-dir {args.exp_dir}' averages the best checkpoints")
+    return 0
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    from asr.trainer import average
+
+    print(average(args.exp_dir, by=args.by, num=args.num, out=args.out))
     return 0
 
 
@@ -150,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, metavar="TRAIN.jsonl")
     p.add_argument("--out", required=True, metavar="CMVN.json")
     p.add_argument("--n-mels", type=int, default=80, help="mel bins (default 80)")
+    p.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="loader processes (default: the CPU count, at most 8)")
     p.set_defaults(func=cmd_cmvn)
 
     p = sub.add_parser("train", help="train a model (one process, or torchrun for several GPUs)")
@@ -160,14 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="DIR", help="default: build one in EXP")
     p.add_argument("--cmvn", metavar="CMVN.json", help="default: compute it in EXP")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    p.set_defaults(func=cmd_not_built)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("average", help="average checkpoints into one model file")
     p.add_argument("--exp-dir", required=True, metavar="EXP")
     p.add_argument("--by", choices=["best", "last"], default="best")
     p.add_argument("--num", type=int, default=5, metavar="N")
     p.add_argument("--out", metavar="MODEL.pt", help="default: EXP/model_avg.pt")
-    p.set_defaults(func=cmd_not_built)
+    p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)")
     p.add_argument("--model", required=True, metavar="MODEL.pt")

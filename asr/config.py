@@ -68,11 +68,17 @@ def _kind(value: Any) -> str:
 
 def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     """Check `value` against type hint `tp`, converting lists to tuples and ints to floats."""
+    if isinstance(value, _Override):  # a command-line value: its text for a str field, else as YAML
+        if tp is str:
+            return value.text
+        value = value.parsed
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
+        if isinstance(value, _Override) and value.parsed is None and type(None) in args:
+            return None
         if value is None and type(None) in args:
             return None
         errors = []
@@ -138,6 +144,12 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+@dataclasses.dataclass(frozen=True)
+class _Override:
+    text: str  # as typed
+    parsed: Any  # as YAML reads it
+
+
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     """["training.lr=1e-3", "data.specaug.time_masks=2"] -> nested dict; values parsed as YAML."""
     nested: dict[str, Any] = {}
@@ -146,9 +158,9 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{item}': expected section.key=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _Override(raw, yaml.safe_load(raw) if raw.strip() else "")
         except yaml.YAMLError:
-            value = raw
+            value = _Override(raw, raw)
         node = nested
         *parents, leaf = key.split(".")
         for part in parents:

@@ -36,6 +36,9 @@ def test_refuses_other_formats_and_newer_versions(tmp_path):
     torch.save({"format": "asr-model", "version": VERSION + 1}, path)
     with pytest.raises(CheckpointError, match="newer"):
         load_file(path)
+    torch.save({"format": "asr-model"}, path)
+    with pytest.raises(CheckpointError, match="no valid format version"):
+        load_file(path)
     path.write_bytes(b"not a torch file")
     with pytest.raises(CheckpointError, match=str(path)):
         load_file(path)
@@ -67,6 +70,14 @@ def test_failed_save_keeps_old_file(tmp_path, monkeypatch):
         save_atomic({"format": "asr-model"}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_refuses_to_save_what_weights_only_cannot_load(tmp_path):
+    import numpy as np
+
+    with pytest.raises(TypeError, match="float64 at 'model.lr'"):
+        save_atomic({"format": "asr-model", "model": {"lr": np.float64(1.0)}}, tmp_path / "x.pt")
+    assert not list(tmp_path.iterdir())
 
 
 def test_average_state_dicts():

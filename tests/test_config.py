@@ -89,6 +89,13 @@ def test_wrong_type_names_file_and_key(tmp_path, text, key):
         load_config(Experiment, path)
 
 
+def test_override_of_a_string_field_keeps_its_text():
+    cfg = load_config(Experiment, None, ["training.optimizer=on", "data.speeds=null"])
+    assert cfg.training.optimizer == "on" and cfg.data.speeds is None
+    cfg = load_config(Experiment, None, ["training.optimizer=123"])
+    assert cfg.training.optimizer == "123"
+
+
 def test_bad_override_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="section.key=value"):
         parse_overrides(["training.lr"])
