@@ -8,6 +8,7 @@ module stays light), and `iter_blocks` streams a long file block by block with t
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -188,9 +189,16 @@ def resample(wave: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
     wave = wave.to(torch.float32)
     if orig_rate == new_rate:
         return wave
-    import torchaudio.functional  # lazy: a second or more to import, and only needed here
+    return _resampler(int(orig_rate), int(new_rate))(wave)
 
-    return torchaudio.functional.resample(wave, int(orig_rate), int(new_rate))
+
+@functools.lru_cache(maxsize=64)
+def _resampler(orig_rate: int, new_rate: int) -> torch.nn.Module:
+    """torchaudio's Resample of one rate pair, its windowed-sinc kernel built once (float32, as
+    torchaudio.functional.resample builds it for float32 input, so results are the same)."""
+    import torchaudio.transforms  # lazy: a second or more to import, and only needed here
+
+    return torchaudio.transforms.Resample(orig_rate, new_rate, dtype=torch.float32)
 
 
 def to_mono_16k(wave: np.ndarray | torch.Tensor, sample_rate: int) -> torch.Tensor:

@@ -11,13 +11,13 @@ the same rules with format "asr-checkpoint".
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from asr.fileio import atomic_open
 
 MODEL_FORMAT = "asr-model"
 CHECKPOINT_FORMAT = "asr-checkpoint"
@@ -37,16 +37,8 @@ def save_atomic(obj: Mapping[str, Any], path: str | Path) -> None:
     _check_plain(obj, "")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(obj), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        torch.save(dict(obj), f)
 
 
 _PLAIN = (str, int, float, bool, bytes, type(None), torch.Size)  # exact types: np.float64 is a float

@@ -6,13 +6,14 @@ with optional "start" / "end" (seconds of the file), "speed" (speed perturbation
 
 Error policy ("Nothing is lost"): a malformed manifest or corpus-list line is fatal (ManifestError
 "path:line: reason"); a well-formed utterance whose audio cannot be used is returned as
-`Skipped(id, reason)` by the Dataset, collected in `Batch.skipped`, logged once and counted by
-the loader of `make_loader`, never raised out of the loader. Every report goes to the logger
+`Skipped(id, reason)` by the Dataset, recorded in `ASRDataLoader.skipped` and logged once per
+process by the loader of `make_loader`, never raised out of the loader. Every report goes to the logger
 `asr.data`. Randomness (shuffling, dither, SpecAugment) is derived from (seed, epoch, index or
 batch) only, so that a resumed run sees the same data in the same order.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import shlex
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -38,6 +40,7 @@ from asr.features import (
     fbank,
     spec_augment,
 )
+from asr.fileio import TextFileError, atomic_open, numbered_lines, read_table
 from asr.metrics import normalize_text
 from asr.tokenizer import Tokenizer
 
@@ -60,6 +63,7 @@ __all__ = [
     "read_manifest",
     "select_by_duration",
     "speed_perturb",
+    "split_skipped",
     "write_manifest",
 ]
 
@@ -124,15 +128,16 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     base = os.path.dirname(os.path.abspath(path))
     utts: list[Utterance] = []
     first_line: dict[str, int] = {}
-    for n, line in _numbered_lines(path):
-        try:
-            utt = _parse_manifest_line(line, base)
-            if utt.id in first_line:
-                raise _LineError(f"duplicate id '{utt.id}' (first on line {first_line[utt.id]})")
-        except _LineError as e:
-            raise ManifestError(f"{path}:{n}: {e}") from None
-        first_line[utt.id] = n
-        utts.append(utt)
+    with _manifest_errors():
+        for n, line in numbered_lines(path):
+            try:
+                utt = _parse_manifest_line(line, base)
+                if utt.id in first_line:
+                    raise _LineError(f"duplicate id {utt.id} (first on line {first_line[utt.id]})")
+            except _LineError as e:
+                raise ManifestError(f"{path}:{n}: {e}") from None
+            first_line[utt.id] = n
+            utts.append(utt)
     return utts
 
 
@@ -142,36 +147,22 @@ def write_manifest(utts: Iterable[Utterance], path: str | os.PathLike) -> None:
     would not read back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     seen: set[str] = set()
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for utt in utts:
-                if utt.id in seen:
-                    raise ValueError(f"{path}: duplicate id '{utt.id}'")
-                seen.add(utt.id)
-                f.write(json.dumps(utt.to_json(), ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_open(path) as f:
+        for utt in utts:
+            if utt.id in seen:
+                raise ValueError(f"{path}: duplicate id '{utt.id}'")
+            seen.add(utt.id)
+            f.write(json.dumps(utt.to_json(), ensure_ascii=False) + "\n")
 
 
-def _numbered_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
-    """(line number from 1, stripped line) of the non-blank lines of a UTF-8 text file."""
+@contextmanager
+def _manifest_errors() -> Iterator[None]:
+    """Re-raise asr.fileio's TextFileError (missing file, not UTF-8, duplicate id) as ManifestError."""
     try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: no such file") from None
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line_no = data[: e.start].count(b"\n") + 1
-        raise ManifestError(f"{path}:{line_no}: not UTF-8 text") from None
-    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON text may hold U+2028
-        if line.strip():
-            yield n, line.strip()
+        yield
+    except TextFileError as e:
+        raise ManifestError(str(e)) from None
 
 
 def _parse_manifest_line(line: str, base: str) -> Utterance:
@@ -345,14 +336,9 @@ def _header_infos(paths: Sequence[str]) -> list[AudioInfo | AudioError]:
 
 
 def _read_table(path: Path) -> dict[str, tuple[int, str]]:
-    """A Kaldi-style "KEY REST" file -> {key: (line number, rest)}; a duplicate key is fatal."""
-    table: dict[str, tuple[int, str]] = {}
-    for n, line in _numbered_lines(path):
-        key, rest = (line.split(maxsplit=1) + [""])[:2]
-        if key in table:
-            raise ManifestError(f"{path}:{n}: duplicate id '{key}' (first on line {table[key][0]})")
-        table[key] = (n, rest)
-    return table
+    """asr.fileio.read_table ({key: (line number, rest)}; a duplicate key is fatal) raising ManifestError."""
+    with _manifest_errors():
+        return read_table(path)
 
 
 @dataclass(frozen=True)
@@ -530,13 +516,13 @@ def speed_perturb(utts: Sequence[Utterance], speeds: Iterable[float] = (0.9, 1.1
 
 
 def select_by_duration(
-    utts: Sequence[Utterance], min_duration: float = 0.0, max_duration: float | None = None
+    utts: Sequence[Utterance], min_duration: float = 0.0, max_duration: float | None = None, *, report: bool = True
 ) -> list[Utterance]:
     """The utterances with min_duration <= duration <= max_duration (None: no upper bound);
-    the others are logged (count and first ids) and left out."""
+    the others are left out, and logged (count and first ids) when `report`."""
     hi = math.inf if max_duration is None else max_duration
     kept = [u for u in utts if min_duration <= u.duration <= hi]
-    if len(kept) < len(utts):
+    if report and len(kept) < len(utts):
         out = [u.id for u in utts if not min_duration <= u.duration <= hi]
         logger.warning(
             "%d utterances outside %.2f-%s s left out: %s%s",
@@ -571,6 +557,62 @@ def derive_seed(*keys: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
+class _PackedStrings:
+    """A read-only list of str kept as unique UTF-8 strings in one numpy byte array, offsets and
+    one int32 code per row: no Python object per row, so that a forked DataLoader worker reads
+    it without copying it (reading a list of str writes each one's reference count, dirtying
+    its page), and repeated values (the audio and text of speed-perturbed copies) stored once."""
+
+    def __init__(self, strings: Iterable[str]):
+        codes: dict[str, int] = {}
+        self._codes = np.array([codes.setdefault(x, len(codes)) for x in strings], dtype=np.int32)  # (N,)
+        encoded = [x.encode("utf-8") for x in codes]
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)  # (unique + 1,) byte offsets
+        np.cumsum([len(b) for b in encoded], out=self._offsets[1:])
+        self._bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._codes)
+
+    def __getitem__(self, index: int) -> str:
+        code = self._codes[index]
+        return self._bytes[self._offsets[code] : self._offsets[code + 1]].tobytes().decode("utf-8")
+
+    @property
+    def nbytes(self) -> int:
+        return self._codes.nbytes + self._offsets.nbytes + self._bytes.nbytes
+
+
+class _UtteranceTable:
+    """Utterances in numpy arrays (see _PackedStrings): id, audio and text packed, duration,
+    speed, start and end (NaN for None) as float64. `speaker` is not kept (loading needs none)."""
+
+    def __init__(self, utts: Sequence[Utterance]):
+        self.ids = _PackedStrings(u.id for u in utts)
+        self.audio = _PackedStrings(u.audio for u in utts)
+        self.text = _PackedStrings(u.text for u in utts)
+        self.duration = np.array([u.duration for u in utts], dtype=np.float64)  # (N,) seconds
+        self.speed = np.array([u.speed for u in utts], dtype=np.float64)  # (N,)
+        self.start = np.array([math.nan if u.start is None else u.start for u in utts], dtype=np.float64)
+        self.end = np.array([math.nan if u.end is None else u.end for u in utts], dtype=np.float64)
+
+    def __len__(self) -> int:
+        return len(self.duration)
+
+    def __getitem__(self, index: int) -> Utterance:
+        start, end = float(self.start[index]), float(self.end[index])
+        return Utterance(
+            self.ids[index], self.audio[index], float(self.duration[index]), self.text[index],
+            start=None if math.isnan(start) else start, end=None if math.isnan(end) else end,
+            speed=float(self.speed[index]),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.duration, self.speed, self.start, self.end)
+        return sum(x.nbytes for x in (self.ids, self.audio, self.text, *arrays))
+
+
 class ASRDataset(Dataset):
     """Utterances -> Example(id, feats, tokens), or Skipped(id, reason); never raises for a bad file.
 
@@ -579,7 +621,10 @@ class ASRDataset(Dataset):
     Skipped when the audio cannot be read, its decoded length differs from `duration` by more
     than 0.1 s, or it is too short for one frame; reporting is the caller's (the loader of
     `make_loader` logs each once). Training dither comes from a generator seeded by
-    (seed, epoch, index): call `set_epoch` before each epoch.
+    (seed, epoch, index): `dataset[i]` uses the epoch of `set_epoch`, `get(i, epoch)` the one given
+    (what loader workers use: set_epoch does not reach persistent worker processes).
+    The utterances are kept compactly (numpy arrays, no Python object per utterance);
+    `utterance(i)` rebuilds one (without its speaker).
     """
 
     def __init__(
@@ -592,7 +637,7 @@ class ASRDataset(Dataset):
         training: bool = False,
         seed: int = 0,
     ):
-        self.utts = list(utts)
+        self._utts = _UtteranceTable(utts)
         self.tokenizer = tokenizer
         self.features = features
         self.cmvn = cmvn
@@ -604,14 +649,31 @@ class ASRDataset(Dataset):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return len(self.utts)
+        return len(self._utts)
+
+    @property
+    def durations(self) -> np.ndarray:
+        """(N,) float64 seconds, read-only view."""
+        view = self._utts.duration.view()
+        view.flags.writeable = False
+        return view
+
+    def utterance(self, index: int) -> Utterance:
+        return self._utts[index]
+
+    def utt_id(self, index: int) -> str:
+        return self._utts.ids[index]
 
     def __getitem__(self, index: int) -> Example | Skipped:
-        utt = self.utts[index]
+        return self.get(index, self.epoch)
+
+    def get(self, index: int, epoch: int) -> Example | Skipped:
+        """Utterance `index` with the training randomness of `epoch`."""
+        utt = self._utts[index]
         wave = self._load(utt)
         if isinstance(wave, Skipped):
             return wave
-        generator = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, index)) if self.training else None
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index)) if self.training else None
         feats = fbank(wave, self.features, training=self.training, generator=generator)  # (T, D)
         if feats.shape[0] == 0:
             return Skipped(utt.id, f"too short for one frame ({wave.numel() / SAMPLE_RATE:.3f} s)")
@@ -654,8 +716,10 @@ class DurationBucketSampler(Sampler[list[int]]):
     num_replicas the largest batch is split in two (so nothing is dropped); only when no batch can
     be split are the last (len % num_replicas <= num_replicas - 1) batches dropped (logged).
     Rank r takes batches r, r + W, r + 2W, ...: distinct, the same count on every rank.
-    An utterance longer than the cap is left out (logged). `set_epoch(epoch, start_batch)` selects
-    the epoch and resumes after `start_batch` of this rank's batches; `len()` is what remains.
+    An utterance longer than the cap is left out. Reports go to rank 0's log only, once: the
+    left-out utterances when built, the dropped batches for the first epoch that drops some.
+    `set_epoch(epoch, start_batch)` selects the epoch and resumes after `start_batch` of this
+    rank's batches; `len()` is what remains.
     """
 
     def __init__(
@@ -691,12 +755,13 @@ class DurationBucketSampler(Sampler[list[int]]):
         batches_worth = int(d[self._kept].sum() / self.max_batch_seconds)
         self._buckets = _quantile_buckets(self._kept, d, max(1, min(num_buckets, batches_worth // 4)))
         self._cache: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's batches)
+        self._drop_reported = rank != 0  # report dropped batches once, on rank 0
         self.set_epoch(epoch, start_batch)
 
     def _drop_too_long(self, ids: Sequence[str] | None) -> np.ndarray:
         """Indices of the utterances that fit in a batch; the others are logged."""
         too_long = np.flatnonzero(self.durations > self.max_batch_seconds)
-        if len(too_long):
+        if len(too_long) and self.rank == 0:
             names = [ids[i] if ids is not None else str(i) for i in too_long[:10]]
             logger.warning(
                 "%d utterances longer than the batch cap (%.1f s) left out: %s%s",
@@ -750,10 +815,13 @@ class DurationBucketSampler(Sampler[list[int]]):
             batches[j : j + 1] = [batches[j][:half], batches[j][half:]]
         extra = len(batches) % w
         if extra:
-            lost = sum(len(b) for b in batches[-extra:])
-            logger.warning(
-                "epoch %d: %d batches (%d utterances) dropped to give %d ranks equal shares", self.epoch, extra, lost, w
-            )
+            if not self._drop_reported:
+                lost = sum(len(b) for b in batches[-extra:])
+                logger.warning(
+                    "epoch %d: %d batches (%d utterances) dropped to give %d ranks equal shares "
+                    "(at most %d per epoch; reported once)", self.epoch, extra, lost, w, w - 1,
+                )
+                self._drop_reported = True
             batches = batches[:-extra]
         return batches
 
@@ -789,14 +857,19 @@ def _greedy_batches(order: np.ndarray, durations: np.ndarray, cap: float) -> lis
 
 
 class Batch(NamedTuple):
-    """A padded batch. B = kept utterances, T = frames, D = feature bins, L = tokens."""
+    """A padded batch. B = utterances, T = frames, D = feature bins, L = tokens."""
 
     ids: list[str]
     feats: torch.Tensor  # (B, T, D) float32, zero-padded
     feat_lens: torch.Tensor  # (B,) int64
     tokens: torch.Tensor  # (B, L) int64, padded with -1
     token_lens: torch.Tensor  # (B,) int64
-    skipped: list[tuple[str, str]]  # (id, reason) of the utterances left out of this batch
+
+
+def split_skipped(items: Iterable[Example | Skipped]) -> tuple[list[Example], list[Skipped]]:
+    """(the Examples, the Skipped entries), each in the given order."""
+    items = list(items)
+    return [e for e in items if isinstance(e, Example)], [e for e in items if isinstance(e, Skipped)]
 
 
 def collate(
@@ -806,11 +879,11 @@ def collate(
     generator: torch.Generator | None = None,
     feat_dim: int | None = None,
 ) -> Batch:
-    """Pad the Examples into a Batch (order kept); Skipped entries go to `Batch.skipped`.
+    """Pad the Examples into a Batch (order kept). Skipped entries are left out: take them first
+    with `split_skipped` to report them (the loader of `make_loader` does).
     With `specaug`, SpecAugment (asr.features.spec_augment) is applied within each length.
-    `feat_dim` gives D for a batch where every utterance was skipped (else D = 0)."""
-    kept = [e for e in examples if isinstance(e, Example)]
-    skipped = [(e.id, e.reason) for e in examples if isinstance(e, Skipped)]
+    `feat_dim` gives D for a batch without Examples (else D = 0)."""
+    kept, _ = split_skipped(examples)
     dim = kept[0].feats.shape[1] if kept else (feat_dim or 0)
     feat_lens = torch.tensor([e.feats.shape[0] for e in kept], dtype=torch.long)
     token_lens = torch.tensor([e.tokens.numel() for e in kept], dtype=torch.long)
@@ -821,7 +894,7 @@ def collate(
         tokens[b, : e.tokens.numel()] = e.tokens
     if specaug is not None and kept:
         feats = spec_augment(feats, feat_lens, specaug, generator=generator)
-    return Batch([e.id for e in kept], feats, feat_lens, tokens, token_lens, skipped)
+    return Batch([e.id for e in kept], feats, feat_lens, tokens, token_lens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -867,39 +940,106 @@ class DataConfig:
     specaug: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # training only
 
 
+class _BatchKey(NamedTuple):
+    """What the loader's sampler yields and its workers receive: a batch of one epoch."""
+
+    epoch: int
+    indices: list[int]  # dataset indices
+
+
+class _Collated(NamedTuple):
+    """What a loader worker returns: the Batch and the (id, reason) of what it left out."""
+
+    batch: Batch
+    skipped: list[tuple[str, str]]
+
+
+class _EpochBatches(Sampler[_BatchKey]):
+    """The batches of a DurationBucketSampler tagged with its epoch, so that persistent workers
+    (which never see the main process's set_epoch) derive the epoch's randomness from the key."""
+
+    def __init__(self, batches: DurationBucketSampler):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[_BatchKey]:
+        epoch = self.batches.epoch
+        return (_BatchKey(epoch, b) for b in self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class _BatchLoading(Dataset):
+    """_BatchKey -> _Collated: loads the utterances of a batch (dither of its epoch) and collates
+    them, with SpecAugment seeded by (seed, epoch, the batch's ids): the batch is itself a
+    function of (seed, epoch, batch index), so a resumed run replays the same masks."""
+
+    def __init__(self, dataset: ASRDataset, specaug: SpecAugmentConfig | None, seed: int, feat_dim: int):
+        self.dataset, self.specaug, self.seed, self.feat_dim = dataset, specaug, seed, feat_dim
+
+    def __getitem__(self, key: _BatchKey) -> _Collated:
+        kept, skipped = split_skipped(self.dataset.get(i, key.epoch) for i in key.indices)
+        generator = None
+        if self.specaug is not None:
+            ids = "\n".join(self.dataset.utt_id(i) for i in key.indices)
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, key.epoch, zlib.crc32(ids.encode())))
+        batch = collate(kept, specaug=self.specaug, generator=generator, feat_dim=self.feat_dim)
+        return _Collated(batch, [(s.id, s.reason) for s in skipped])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _worker_init(worker_id: int) -> None:
+    """Freeze the objects a forked worker inherits out of the garbage collector's sight: a full
+    collection would otherwise write to every one of them (the parent's manifest lists, ...) and
+    copy their pages into the worker. O(1): the collector's lists are spliced, not walked."""
+    gc.freeze()
+
+
 class ASRDataLoader(DataLoader):
-    """A DataLoader of Batch that logs each skipped utterance (the first time this process sees
-    it, with id and reason) and counts this loader's skips in `skipped` {id: reason}."""
+    """The loader of `make_loader`, built once for a whole run: Batches of this rank for the epoch
+    and resume point chosen by `set_epoch`. Worker processes (config.num_workers) persist from
+    one epoch to the next. Each skipped utterance is recorded in `skipped` {id: reason} and
+    logged the first time this process sees it (with id and reason)."""
 
     _reported: ClassVar[set[str]] = set()  # ids already logged in this process, over all loaders
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, dataset: _BatchLoading, batches: DurationBucketSampler, *, num_workers: int, pin_memory: bool):
+        super().__init__(
+            dataset,
+            sampler=_EpochBatches(batches),
+            batch_size=None,  # each key is a whole batch, collated in the worker
+            collate_fn=_identity,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+            worker_init_fn=_worker_init if num_workers > 0 else None,
+            pin_memory=pin_memory,
+        )
+        self.batches = batches
         self.skipped: dict[str, str] = {}
 
+    @property
+    def epoch(self) -> int:
+        return self.batches.epoch
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch (its order, dither and SpecAugment) and skip this rank's first
+        `start_batch` batches of it (0..number of batches; to resume mid-epoch)."""
+        self.batches.set_epoch(epoch, start_batch)
+
+    def __len__(self) -> int:
+        """The batches left in this rank's epoch after `start_batch`."""
+        return len(self.batches)
+
     def __iter__(self) -> Iterator[Batch]:
-        for batch in super().__iter__():
-            for utt_id, reason in batch.skipped:
+        for batch, skipped in super().__iter__():
+            for utt_id, reason in skipped:
                 self.skipped[utt_id] = reason
                 if utt_id not in self._reported:
                     self._reported.add(utt_id)
                     logger.warning("%s: %s; skipped", utt_id, reason)
             yield batch
-
-
-class _SeededCollate:
-    """collate with SpecAugment randomness derived from (seed, epoch, the batch's ids): the batch
-    is itself a function of (seed, epoch, batch index), so resuming replays the same masks."""
-
-    def __init__(self, specaug: SpecAugmentConfig | None, seed: int, epoch: int, feat_dim: int):
-        self.specaug, self.seed, self.epoch, self.feat_dim = specaug, seed, epoch, feat_dim
-
-    def __call__(self, examples: Sequence[Example | Skipped]) -> Batch:
-        generator = None
-        if self.specaug is not None:
-            key = zlib.crc32("\n".join(e.id for e in examples).encode())
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, key))
-        return collate(examples, specaug=self.specaug, generator=generator, feat_dim=self.feat_dim)
 
 
 def make_loader(
@@ -910,39 +1050,32 @@ def make_loader(
     training: bool,
     cmvn: GlobalCMVN | None = None,
     seed: int = 0,
-    epoch: int = 0,
     rank: int = 0,
     world_size: int = 1,
-    start_batch: int = 0,
     pin_memory: bool = False,
 ) -> ASRDataLoader:
-    """The loader of one epoch on one rank: Batches from `start_batch` (this rank's batch index)
-    to the end of the epoch. Training: speed perturbation (config.speed_perturb), shuffled
-    buckets, dither and SpecAugment, all derived from (seed, epoch, index / batch). Otherwise:
-    batches sorted by duration, no augmentation. Utterances outside
-    [min_duration, max_duration] or longer than the batch cap are left out (logged)."""
+    """The loader of one rank for the whole run, at epoch 0 from its first batch; choose the
+    epoch (and a resume point) with `loader.set_epoch(epoch, start_batch)` before iterating.
+
+    Training: speed perturbation (config.speed_perturb; copies already in `utts` are not added
+    again), shuffled buckets, dither and SpecAugment, all derived from (seed, epoch, index /
+    batch). Otherwise: batches sorted by duration, no augmentation. Utterances outside
+    [min_duration, max_duration] or longer than the batch cap are left out (logged once, on
+    rank 0)."""
     if training and config.speed_perturb:
         utts = speed_perturb(utts, config.speed_perturb)
-    utts = select_by_duration(utts, config.min_duration, config.max_duration)
+    utts = select_by_duration(utts, config.min_duration, config.max_duration, report=rank == 0)
     dataset = ASRDataset(utts, tokenizer, features=config.features, cmvn=cmvn, training=training, seed=seed)
-    dataset.set_epoch(epoch)
-    sampler = DurationBucketSampler(
-        [u.duration for u in utts],
+    batches = DurationBucketSampler(
+        dataset.durations,
         max_batch_seconds=config.max_batch_seconds,
         shuffle=training,
         seed=seed,
         num_replicas=world_size,
         rank=rank,
         num_buckets=config.num_buckets,
-        epoch=epoch,
-        start_batch=start_batch,
         ids=[u.id for u in utts],
     )
     specaug = config.specaug if training else None
-    return ASRDataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=_SeededCollate(specaug, seed, epoch, config.features.n_mels),
-        num_workers=config.num_workers,
-        pin_memory=pin_memory,
-    )
+    loading = _BatchLoading(dataset, specaug, seed, config.features.n_mels)
+    return ASRDataLoader(loading, batches, num_workers=config.num_workers, pin_memory=pin_memory)

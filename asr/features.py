@@ -9,10 +9,10 @@ Shape legend: B = batch, T = frames (10 ms each by default), D = feature bins (n
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch
 from torchaudio.compliance import kaldi
 
 from asr.audio import SAMPLE_RATE  # 16 kHz: the only rate the frontend takes
+from asr.fileio import atomic_open
 
 __all__ = [
     "CMVNError",
@@ -99,6 +100,8 @@ def fbank(
     than one window gives an empty (0, n_mels) tensor.
     Kaldi defaults otherwise: povey window, pre-emphasis 0.97, DC removal, 20 Hz low cut, power
     spectrum, log floored at float32 eps (`energy_floor` only matters with use_energy, unused).
+    Computed as torchaudio's kaldi.fbank computes it (tested equal to 1e-4), about twice as fast:
+    the window and mel matrix are built once per configuration.
     """
     if wave.dim() != 1:
         raise ValueError(f"fbank: expected a 1-D waveform, got shape {tuple(wave.shape)}")
@@ -108,15 +111,46 @@ def fbank(
     x = wave.to(torch.float32) * INT16_SCALE  # (N,) int16 units
     if training and config.dither > 0:
         x = x + config.dither * _randn(tuple(x.shape), generator, x.device)
-    return kaldi.fbank(
-        x.unsqueeze(0),
-        num_mel_bins=config.n_mels,
-        frame_length=config.frame_length_ms,
-        frame_shift=config.frame_shift_ms,
-        dither=0.0,  # ours above: deterministic from the generator, training only
-        sample_frequency=SAMPLE_RATE,
-        snip_edges=True,
-    )  # (num_frames, n_mels) float32
+    return _log_mel(x, config)
+
+
+def _log_mel(x: torch.Tensor, config: FeatureConfig) -> torch.Tensor:
+    """kaldi.fbank(x[None], num_mel_bins, frame_length, frame_shift, dither=0, snip_edges=True) with
+    its constants (window, mel matrix) cached and no wasted work (it also computes each frame's
+    log energy, and |X| before squaring it): (N,) int16-scale float32 -> (frames, n_mels)."""
+    window, hop = frame_sizes(config)
+    povey, mel_t = _fbank_constants(window, config.n_mels, x.device)  # (window,), (F, n_mels)
+    frames = x.unfold(0, window, hop)  # (T, window) view
+    frames = frames - frames.mean(dim=1, keepdim=True)  # DC removal
+    padded = torch.zeros(frames.shape[0], _fft_size(window), dtype=torch.float32, device=x.device)  # (T, n_fft)
+    # pre-emphasis y[j] = x[j] - 0.97 x[j - 1] (x[-1] := x[0]), then the window, into the FFT buffer;
+    # multiply, then subtract, as kaldi.fbank does (a fused multiply-subtract rounds differently,
+    # which the lowest bins, near 20 Hz where DC removal and pre-emphasis cancel, magnify)
+    torch.sub(frames[:, 1:], frames[:, :-1] * _PREEMPHASIS, out=padded[:, 1:window])
+    padded[:, 0] = frames[:, 0] - frames[:, 0] * _PREEMPHASIS
+    padded[:, :window] *= povey
+    spectrum = torch.fft.rfft(padded)  # (T, F) complex, F = n_fft // 2 + 1
+    power = spectrum.real.square().add_(spectrum.imag.square())  # (T, F), |X|^2 without the sqrt
+    return torch.mm(power, mel_t).clamp_(min=_EPSILON).log_()  # (T, n_mels)
+
+
+_PREEMPHASIS = 0.97  # Kaldi's default
+_EPSILON = torch.finfo(torch.float32).eps  # kaldi.fbank's floor before the log
+
+
+def _fft_size(window: int) -> int:
+    """Kaldi's round_to_power_of_two: the smallest power of two >= window."""
+    return 1 << (window - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _fbank_constants(window: int, n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(povey window (window,), transposed mel matrix (n_fft // 2 + 1, n_mels)) as kaldi.fbank
+    builds them (low 20 Hz, high Nyquist; the Nyquist bin gets weight 0), float32."""
+    povey = torch.hann_window(window, periodic=False, dtype=torch.float32).pow(0.85)
+    banks, _ = kaldi.get_mel_banks(n_mels, _fft_size(window), float(SAMPLE_RATE), 20.0, 0.0, 100.0, -500.0, 1.0)
+    mel = torch.nn.functional.pad(banks.to(torch.float32), (0, 1))  # (n_mels, F)
+    return povey.to(device), mel.t().contiguous().to(device)
 
 
 def _rand_device(generator: torch.Generator | None, device: torch.device) -> torch.device:
@@ -242,14 +276,8 @@ class CMVNStats:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.to_dict()) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_open(path) as f:
+            f.write(text)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CMVNStats:

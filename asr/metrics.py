@@ -1,5 +1,7 @@
 """Text normalization, word and character error rates, alignments and confusions.
 
+Imports nothing of ours but asr.fileio (a standard-library helper).
+
 One normalization function (`normalize_text`) serves training text, `asr decode` and `asr wer`.
 Error rates are corpus-level (total errors over total reference words or characters) and come
 from jiwer; utterances with an empty side are scored here, without jiwer.
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jiwer
+
+from asr.fileio import TextFileError, numbered_lines, read_table
 
 __all__ = [
     "ErrorStats",
@@ -281,30 +285,24 @@ def read_transcripts(path: str | Path) -> dict[str, str]:
     """id -> text from a Kaldi-style text file ("ID WORDS", one per line; an id alone is an empty
     transcript) or a JSON Lines manifest (suffix .jsonl, or first non-blank character "{"; uses
     "id" and "text"). Texts are returned as written (score normalizes them). Blank lines are
-    skipped. A duplicate id or a malformed line raises ValueError "path:line: reason"."""
-    path = Path(path)
-    try:
-        content = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    parse = _manifest_line if path.suffix == ".jsonl" or content.lstrip().startswith("{") else _kaldi_line
-    out: dict[str, str] = {}
-    for number, line in enumerate(content.split("\n"), 1):
-        if not line.strip():
-            continue
+    skipped. A missing or non-UTF-8 file, a duplicate id or a malformed line raises ValueError
+    "path:line: reason" (asr.fileio.TextFileError; the Kaldi form is asr.fileio.read_table)."""
+    lines = numbered_lines(path)
+    first = next(lines, None)
+    if first is None:
+        return {}
+    if not (Path(path).suffix == ".jsonl" or first[1].startswith("{")):
+        return {uid: text for uid, (_, text) in read_table(path).items()}
+    out: dict[str, tuple[int, str]] = {}  # id -> (line, text)
+    for number, line in (first, *lines):
         try:
-            uid, text = parse(line)
+            uid, text = _manifest_line(line)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}:{number}: {e}") from None
+            raise TextFileError(f"{path}:{number}: {e}") from None
         if uid in out:
-            raise ValueError(f"{path}:{number}: duplicate id {uid}")
-        out[uid] = text
-    return out
-
-
-def _kaldi_line(line: str) -> tuple[str, str]:
-    uid, *text = line.split(maxsplit=1)  # the id, then the words after any white space
-    return uid, text[0].strip() if text else ""
+            raise TextFileError(f"{path}:{number}: duplicate id {uid} (first on line {out[uid][0]})")
+        out[uid] = (number, text)
+    return {uid: text for uid, (_, text) in out.items()}
 
 
 def _manifest_line(line: str) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """Character and sentencepiece (BPE, unigram) tokenizers with the toolkit's token ids.
 
+Imports nothing of ours but asr.fileio (a standard-library helper).
 Ids (DESIGN.md, defined here only): BLANK = 0 (CTC), UNK = 1, real tokens from FIRST_TOKEN = 2,
 sos = eos = vocab_size - 1. Text given to `encode` is already normalized (asr.metrics).
 """
@@ -7,13 +8,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import sentencepiece as spm
+
+from asr.fileio import atomic_open
 
 __all__ = [
     "BLANK",
@@ -39,13 +41,13 @@ MODEL_FILE = "tokenizer.model"
 
 
 class Tokenizer:
-    """Base class: text <-> token ids. `unknown` counts the characters that encode mapped to UNK."""
+    """Base class: text <-> token ids. Stateless once built: `encode` is a pure function (safe in
+    DataLoader workers); `count_unknown` reports what it would map to UNK."""
 
     kind: str
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size  # V: every id, blank, unk and sos/eos included
-        self.unknown: Counter[str] = Counter()
 
     @property
     def sos(self) -> int:
@@ -56,7 +58,13 @@ class Tokenizer:
         return self.vocab_size - 1
 
     def encode(self, text: str) -> list[int]:
-        """Ids in [FIRST_TOKEN, sos) for normalized `text`, UNK (counted) for unknown symbols."""
+        """Ids in [FIRST_TOKEN, sos) for normalized `text`, UNK for unknown symbols."""
+        raise NotImplementedError
+
+    def count_unknown(self, texts: Iterable[str]) -> Counter[str]:
+        """Character -> how many times `encode` maps it to UNK over `texts` (normalized);
+        empty when every character is known. Run it in the calling process (e.g. once on the
+        training text) to report what the tokenizer cannot represent."""
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -92,10 +100,12 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         meta = self.to_dict()
         if isinstance(meta.get("model"), bytes):  # sentencepiece: the model beside the JSON
-            _write_atomic(directory / MODEL_FILE, meta["model"])
+            with atomic_open(directory / MODEL_FILE, "wb") as f:
+                f.write(meta["model"])
             meta["model"] = MODEL_FILE
         meta["vocab_size"] = self.vocab_size
-        _write_atomic(directory / JSON_FILE, (json.dumps(meta, ensure_ascii=False) + "\n").encode())
+        with atomic_open(directory / JSON_FILE) as f:
+            f.write(json.dumps(meta, ensure_ascii=False) + "\n")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size})"
@@ -119,10 +129,11 @@ class CharTokenizer(Tokenizer):
         self._ids = {c: i for i, c in enumerate(self._chars, FIRST_TOKEN)}
 
     def encode(self, text: str) -> list[int]:
-        ids = [self._ids.get(c, UNK) for c in text]
-        if UNK in ids:
-            self.unknown.update(c for c in text if c not in self._ids)
-        return ids
+        return [self._ids.get(c, UNK) for c in text]
+
+    def count_unknown(self, texts: Iterable[str]) -> Counter[str]:
+        known = self._ids
+        return Counter(c for text in texts for c in text if c not in known)
 
     def _decode(self, ids: list[int]) -> str:
         return "".join(self._chars[i - FIRST_TOKEN] for i in ids)
@@ -152,11 +163,17 @@ class SentencePieceTokenizer(Tokenizer):
         super().__init__(self._sp.get_piece_size() + 2)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._sp.encode(text)
-        if 0 in ids:  # sentencepiece's <unk>: count the characters it covers
-            pieces = self._sp.encode(text, return_type="proto").pieces
-            self.unknown.update("".join(p.surface for p in pieces if p.id == 0))
-        return [i + 1 for i in ids]
+        return [i + 1 for i in self._sp.encode(text)]
+
+    def count_unknown(self, texts: Iterable[str]) -> Counter[str]:
+        """The characters under sentencepiece's <unk> pieces (a run of unknown characters is one
+        piece: each of its characters is counted). Ids first; pieces only for texts with an unk."""
+        unknown: Counter[str] = Counter()
+        for text in texts:
+            if 0 in self._sp.encode(text):
+                pieces = self._sp.encode(text, return_type="proto").pieces
+                unknown.update("".join(p.surface for p in pieces if p.id == 0))
+        return unknown
 
     def _decode(self, ids: list[int]) -> str:
         return self._sp.decode([i - 1 for i in ids])
@@ -193,6 +210,8 @@ def train_tokenizer(texts: Iterable[str], kind: str, vocab_size: int | None = No
         return CharTokenizer([SPACE, *sorted(chars - {" "})])
     if vocab_size is None:
         raise ValueError(f"a {kind} tokenizer needs a vocab size")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab size must be a positive whole number, got {vocab_size!r}")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -258,10 +277,3 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if meta.get("vocab_size", tokenizer.vocab_size) != tokenizer.vocab_size:
         raise ValueError(f"{path}: vocab_size {meta['vocab_size']} does not match the tokens ({tokenizer.vocab_size})")
     return tokenizer
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

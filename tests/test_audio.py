@@ -371,6 +371,20 @@ def test_resample_lengths():
         resample(wave, 0, 16000)
 
 
+@pytest.mark.parametrize("orig, new", [(44100, 16000), (8000, 16000), (14400, 16000), (17600, 16000)])
+def test_resample_kernel_cached_and_same_as_torchaudio(orig, new):
+    import torchaudio.functional
+
+    from asr.audio import _resampler
+
+    wave = torch.randn(orig // 3, generator=torch.Generator().manual_seed(orig))
+    resample(wave, orig, new)
+    hits = _resampler.cache_info().hits
+    out = resample(wave, orig, new)
+    assert _resampler.cache_info().hits == hits + 1  # one kernel per rate pair, built once
+    assert torch.equal(out, torchaudio.functional.resample(wave, orig, new))
+
+
 def test_import_does_not_load_torchaudio():
     code = "import sys, asr.audio; sys.exit('torchaudio' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from asr.data import (
     prepare_librispeech,
     read_manifest,
     speed_perturb,
+    split_skipped,
     write_manifest,
 )
 from asr.features import FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank, num_frames
@@ -128,7 +130,7 @@ BAD_LINES = [
     (line_with(speed=-0.9), "speed must be positive"),
     (line_with(speed="fast"), "field 'speed' must be a number"),
     (line_with(speaker=12), "field 'speaker' must be a string"),
-    (good_line("x"), "duplicate id 'x' (first on line 1)"),
+    (good_line("x"), "duplicate id x (first on line 1)"),
 ]
 
 
@@ -305,7 +307,7 @@ def test_prepare_kaldi_utterance_without_text_skipped(tmp_path, monkeypatch, cap
         (["a a.wav", "b gunzip -c b.wav.gz |"], None, r"wav\.scp:2: pipe not supported: gunzip -c b\.wav\.gz \|"),
         (["a flac -d a.flac |"], None, r"wav\.scp:1: pipe not supported"),
         (["a sox a.wav -r 8000 -t wav - |"], None, r"wav\.scp:1: pipe not supported"),
-        (["a a.wav", "", "a a.wav"], None, r"wav\.scp:3: duplicate id 'a' \(first on line 1\)"),
+        (["a a.wav", "", "a a.wav"], None, r"wav\.scp:3: duplicate id a \(first on line 1\)"),
         (["a"], None, r"wav\.scp:1: expected 'ID PATH'"),
         (["a a.wav"], ["u1 a 0 1", "u2 a 0"], r"segments:2: expected 'UTT REC START END'"),
         (["a a.wav"], ["u1 b 0 1"], r"segments:1: recording 'b' is not in wav\.scp"),
@@ -434,9 +436,12 @@ def example(utt_id: str, frames: int, tokens: list[int], dim: int = 4) -> Exampl
 
 
 def test_collate_shapes_and_padding():
-    batch = collate([example("a", 3, [2, 3]), Skipped("s", "why"), example("b", 5, []), example("c", 1, [4, 4, 4])])
-    assert isinstance(batch, Batch)
-    assert batch.ids == ["a", "b", "c"] and batch.skipped == [("s", "why")]
+    items = [example("a", 3, [2, 3]), Skipped("s", "why"), example("b", 5, []), example("c", 1, [4, 4, 4])]
+    batch = collate(items)
+    assert isinstance(batch, Batch) and Batch._fields == ("ids", "feats", "feat_lens", "tokens", "token_lens")
+    assert batch.ids == ["a", "b", "c"]
+    kept, skipped = split_skipped(items)
+    assert [e.id for e in kept] == ["a", "b", "c"] and skipped == [Skipped("s", "why")]
     assert batch.feats.shape == (3, 5, 4) and batch.feats.dtype == torch.float32
     assert batch.feat_lens.tolist() == [3, 5, 1] and batch.token_lens.tolist() == [2, 0, 3]
     assert batch.tokens.tolist() == [[2, 3, -1], [-1, -1, -1], [4, 4, 4]]
@@ -446,7 +451,7 @@ def test_collate_shapes_and_padding():
 
 def test_collate_all_skipped():
     batch = collate([Skipped("a", "r1"), Skipped("b", "r2")], feat_dim=80)
-    assert batch.ids == [] and batch.skipped == [("a", "r1"), ("b", "r2")]
+    assert batch.ids == [] and len(batch) == 5
     assert batch.feats.shape == (0, 0, 80) and batch.tokens.shape == (0, 0)
     assert batch.feat_lens.shape == batch.token_lens.shape == (0,)
 
@@ -475,6 +480,7 @@ def test_make_loader_end_to_end(corpus, tokenizer, caplog, monkeypatch):
         loader = make_loader(corpus, tokenizer, loader_config(), training=True, seed=3)
         batches = list(loader)
     assert len(batches) == len(loader)
+    assert all(type(b) is Batch for b in batches)  # the 5 fields only, skips kept by the loader
     ids = sorted(i for b in batches for i in b.ids)
     assert ids == ["g1", "g2", "g3", "g4"]
     assert sorted(loader.skipped) == ["corrupt", "missing", "tiny", "wronglen"]
@@ -483,26 +489,56 @@ def test_make_loader_end_to_end(corpus, tokenizer, caplog, monkeypatch):
     for b in batches:
         assert b.feats.shape[0] == len(b.ids) and b.feats.shape[2] == 80
         assert max(b.feat_lens.tolist(), default=0) == b.feats.shape[1]
-    # A second epoch's loader reports nothing new, but still counts its skips.
+    # The next epoch of the same loader reports nothing new, but still counts its skips.
     caplog.clear()
-    again = make_loader(corpus, tokenizer, loader_config(), training=True, seed=3, epoch=1)
-    list(again)
-    assert len(again.skipped) == 4 and "corrupt" not in caplog.text
+    loader.skipped.clear()
+    loader.set_epoch(1)
+    with caplog.at_level(logging.WARNING, logger="asr.data"):
+        list(loader)
+    assert len(loader.skipped) == 4 and not caplog.records
+
+
+def run_epochs(loader: ASRDataLoader, epochs: list[tuple[int, int]]) -> list[list[Batch]]:
+    """The batches of each (epoch, start_batch) in turn, from one loader."""
+    out = []
+    for epoch, start in epochs:
+        loader.set_epoch(epoch, start)
+        out.append(list(loader))
+        assert len(out[-1]) == len(loader)
+    return out
+
+
+def same_batches(a: list[Batch], b: list[Batch]) -> bool:
+    return len(a) == len(b) and all(
+        x.ids == y.ids and torch.equal(x.feats, y.feats) and torch.equal(x.tokens, y.tokens) for x, y in zip(a, b)
+    )
 
 
 def test_make_loader_deterministic_and_resumable(corpus, tokenizer):
-    def run(**kwargs) -> list[Batch]:
-        config = loader_config(speed_perturb=[0.9, 1.1], max_batch_seconds=4.0)
-        return list(make_loader(corpus[:4], tokenizer, config, training=True, seed=1, epoch=2, **kwargs))
-
-    full = run()
+    config = loader_config(speed_perturb=[0.9, 1.1], max_batch_seconds=4.0)
+    loader = make_loader(corpus[:4], tokenizer, config, training=True, seed=1)
+    full, tail, again = run_epochs(loader, [(2, 0), (2, 2), (2, 0)])
     assert len(full) >= 3
     ids = sorted(i for b in full for i in b.ids)
     assert ids == sorted(f"{p}{u}" for p in ("", "sp0.9-", "sp1.1-") for u in ("g1", "g2", "g3", "g4"))
-    tail = run(start_batch=2)
-    assert len(tail) == len(full) - 2
-    for a, b in zip(full[2:], tail):
-        assert a.ids == b.ids and torch.equal(a.feats, b.feats) and torch.equal(a.tokens, b.tokens)
+    assert same_batches(full[2:], tail) and same_batches(full, again)
+    fresh = make_loader(corpus[:4], tokenizer, config, training=True, seed=1)
+    fresh.set_epoch(2)
+    assert same_batches(full, list(fresh))
+
+
+def test_persistent_workers_follow_the_epoch(corpus, tokenizer):
+    """Workers started once get each epoch's randomness (dither, SpecAugment) from the sampler's
+    keys: a 2-worker loader gives what a fresh in-process loader gives, epoch by epoch."""
+    config = loader_config(max_batch_seconds=3.0, speed_perturb=[0.9])
+    workers = make_loader(corpus[:4], tokenizer, replace(config, num_workers=2), training=True, seed=5)
+    assert workers.persistent_workers
+    got = run_epochs(workers, [(0, 0), (1, 0), (1, 1)])
+    for (epoch, start), batches in zip([(0, 0), (1, 0), (1, 1)], got):
+        inline = make_loader(corpus[:4], tokenizer, config, training=True, seed=5)
+        inline.set_epoch(epoch, start)
+        assert same_batches(batches, list(inline)), (epoch, start)
+    assert not same_batches(got[0], got[1])
 
 
 def test_make_loader_workers_and_ranks(corpus, tokenizer):
@@ -517,6 +553,33 @@ def test_make_loader_workers_and_ranks(corpus, tokenizer):
         for k, utt_id in enumerate(b.ids):
             feats = dataset[[u.id for u in corpus].index(utt_id)].feats
             assert torch.equal(b.feats[k, : len(feats)], feats)
+
+
+def test_reports_once_and_on_rank_0_only(corpus, tokenizer, caplog):
+    """Left-out and dropped-for-sharding reports: at build time / the first epoch, rank 0 only."""
+    config = loader_config(min_duration=0.8, max_batch_seconds=1.2)
+    for rank in (1, 0):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="asr.data"):
+            loader = make_loader(corpus[:4], tokenizer, config, training=True, rank=rank, world_size=3)
+            run_epochs(loader, [(0, 0), (1, 0), (2, 0)])
+        text = caplog.text
+        if rank:
+            assert text == ""
+        else:
+            assert text.count("outside 0.80") == 1 and text.count("longer than the batch cap") == 1
+            assert text.count("dropped to give 3 ranks equal shares") == 1
+
+
+def test_dataset_is_compact_and_round_trips(corpus, tokenizer):
+    """The dataset keeps numpy arrays, not a list of Utterance objects (forked workers would
+    copy every object they touch), and gives the utterances back unchanged (speaker aside)."""
+    utts = speed_perturb(corpus, (0.9, 1.1))
+    dataset = ASRDataset(utts, tokenizer, features=FEATURES)
+    assert [dataset.utterance(i) for i in range(len(utts))] == utts
+    assert dataset.durations.tolist() == [u.duration for u in utts]
+    lists = [v for v in vars(dataset).values() if isinstance(v, (list, tuple))]
+    assert lists == []
 
 
 def test_make_loader_filters_by_duration(corpus, tokenizer, caplog):

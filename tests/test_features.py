@@ -59,6 +59,25 @@ def test_fbank_is_kaldi_fbank_in_int16_units():
     torch.testing.assert_close(fbank(wave, FeatureConfig()), expected)
 
 
+def _speech_like(n: int, seed: int) -> torch.Tensor:
+    """(n,) float32: a low tone (where DC removal and pre-emphasis nearly cancel) plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(n, dtype=torch.float64) / 16000
+    return (0.3 * torch.sin(2 * torch.pi * 90 * t) + 0.01 * torch.randn(n, generator=g, dtype=torch.float64)).float()
+
+
+@pytest.mark.parametrize("config", CONFIGS + [FeatureConfig(n_mels=23)], ids=["80", "40-20ms-12.5ms", "23"])
+@pytest.mark.parametrize("n", [400, 401, 561, 16000, 23457, 160000])
+def test_fbank_matches_kaldi_fbank_to_1e4(config, n):
+    """Our fbank (cached window and mel matrix) against torchaudio's kaldi.fbank itself."""
+    for wave in (_wave(n, seed=n), _speech_like(n, seed=n), torch.full((n,), 1e-4)):
+        expected = kaldi.fbank(
+            wave[None] * 32768, num_mel_bins=config.n_mels, frame_length=config.frame_length_ms,
+            frame_shift=config.frame_shift_ms, dither=0.0, snip_edges=True,
+        )
+        torch.testing.assert_close(fbank(wave, config), expected, atol=1e-4, rtol=0)
+
+
 def test_fbank_accepts_other_float_dtypes():
     wave = _wave(4000)
     torch.testing.assert_close(fbank(wave.double(), FeatureConfig()), fbank(wave, FeatureConfig()))

@@ -250,7 +250,8 @@ def test_read_jsonl_manifest(tmp_path):
 
 
 @pytest.mark.parametrize("name, body, message", [
-    ("text", "u1 A\nu1 B\n", r"text:2: duplicate id u1"),
+    ("text", "u1 A\nu1 B\n", r"text:2: duplicate id u1 \(first on line 1\)"),
+    ("text", b"u1 A\nu2 \xff\n", r"text:2: not UTF-8 text"),
     ("m.jsonl", '{"id": "u1", "text": "A"}\n{"id": "u1", "text": "B"}\n', r"m.jsonl:2: duplicate id u1"),
     ("m.jsonl", '{"id": "u1", "text": "A"}\n{"id": "u2", "text": \n', r"m.jsonl:2: bad JSON"),
     ("m.jsonl", '{"id": "u1"}\n', r"m.jsonl:1: no string 'text'"),
@@ -258,9 +259,17 @@ def test_read_jsonl_manifest(tmp_path):
     ("m.jsonl", '["u1", "A"]\n', r"m.jsonl:1: not a JSON object"),
 ])
 def test_read_transcripts_errors(tmp_path, name, body, message):
-    (tmp_path / name).write_text(body, encoding="utf-8")
+    if isinstance(body, bytes):
+        (tmp_path / name).write_bytes(body)
+    else:
+        (tmp_path / name).write_text(body, encoding="utf-8")
     with pytest.raises(ValueError, match=message):
         read_transcripts(tmp_path / name)
+
+
+def test_read_transcripts_missing_file_is_one_line_value_error(tmp_path):
+    with pytest.raises(ValueError, match=r"absent: no such file$"):
+        read_transcripts(tmp_path / "absent")
 
 
 def test_read_then_score(tmp_path):

@@ -58,7 +58,7 @@ def test_round_trip(tokenizer):
         ids = tokenizer.encode(text)
         assert all(FIRST_TOKEN <= i < tokenizer.sos for i in ids), text
         assert tokenizer.decode(ids) == text
-    assert not tokenizer.unknown
+    assert tokenizer.count_unknown(TEXTS) == {}
     assert tokenizer.encode("") == [] and tokenizer.decode([]) == ""
 
 
@@ -71,12 +71,18 @@ def test_decode_drops_specials_and_out_of_range(tokenizer):
 
 
 def test_unknown_characters_are_counted(tokenizer):
-    tokenizer.unknown.clear()
-    ids = tokenizer.encode("THE \u0416\u0416 \u00c5\u00c5 HE")  # Ж and Å never seen in training
+    texts = ["THE \u0416\u0416 \u00c5\u00c5 HE", "HE", "\u00c5"]  # Ж and Å never seen in training
+    ids = tokenizer.encode(texts[0])
     assert UNK in ids
-    assert tokenizer.unknown == {"\u0416": 2, "\u00c5": 2}
     assert tokenizer.decode(ids).split()[0] == "THE"
-    tokenizer.unknown.clear()
+    assert tokenizer.count_unknown(iter(texts)) == {"\u0416": 2, "\u00c5": 3}
+
+
+def test_encode_is_pure(tokenizer):
+    """No state changes in encode: a counter mutated inside DataLoader workers was lost."""
+    before = dict(vars(tokenizer))
+    tokenizer.encode("THE \u0416 HE")
+    assert vars(tokenizer) == before and not hasattr(tokenizer, "unknown")
 
 
 def test_to_dict_loads_with_weights_only(tokenizer):
@@ -130,6 +136,8 @@ def test_vocab_too_small_is_one_line_error():
     (TEXTS, "wordpiece", None, "unknown tokenizer kind"),
     (TEXTS, "bpe", None, "needs a vocab size"),
     (TEXTS, "char", 50, "give no vocab size"),
+    (TEXTS, "bpe", 0, "vocab size must be a positive whole number, got 0"),
+    (TEXTS, "unigram", -5, "vocab size must be a positive whole number, got -5"),
     (["", ""], "bpe", 50, "no text"),
     (["", ""], "char", None, "no text"),
 ])

@@ -9,12 +9,21 @@
    that a shortfall can be located (decode, resample, fbank, CMVN, collate).
 2. Padding: the share of padded frames in batches of DurationBucketSampler versus random
    batching (the same cap, one bucket) on LibriSpeech-like durations (mean about 12 s, 1-35 s).
+3. Resampling: torchaudio.functional.resample (kernel built per call) versus asr.audio.resample
+   (kernel cached per rate pair), per call, for 1 s and 12 s inputs.
+4. Worker memory (Linux): the private memory a forked DataLoader worker adds by reading every
+   utterance of a LibriSpeech-960-sized manifest (--lines, speed-perturbed x3) and running a
+   full garbage collection, for a list of Utterance objects (what the Dataset used to hold)
+   versus ASRDataset's packed arrays; and the cost of the manifest list the trainer keeps in
+   the parent, with and without the gc.freeze() of the loader's workers.
 Prints a table and writes JSON (targets: >= 1,000x real time per core; padding <= 5%).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
 import tempfile
 import time
@@ -24,9 +33,10 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
+from torchaudio.compliance import kaldi
 
-from asr.audio import SAMPLE_RATE, load_audio
-from asr.data import ASRDataset, DurationBucketSampler, Utterance, collate
+from asr.audio import SAMPLE_RATE, load_audio, resample
+from asr.data import ASRDataset, DurationBucketSampler, Utterance, collate, speed_perturb
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank
 from asr.tokenizer import train_tokenizer
 
@@ -101,6 +111,9 @@ def bench_loading(num_files: int, repeats: int, cap: float) -> dict:
                 fbank(w, features, training=True, generator=torch.Generator().manual_seed(0)) for w in waves
             ],
             "  fbank (no dither)": lambda: [fbank(w, features) for w in waves],
+            "  torchaudio kaldi.fbank (reference)": lambda: [
+                kaldi.fbank(w[None] * 32768, num_mel_bins=features.n_mels, dither=0.0) for w in waves
+            ],
             "  CMVN": lambda: [cmvn(f) for f in feats],
             "  tokens + collate": lambda: [collate([examples[i] for i in b]) for b in batches],
         }
@@ -135,6 +148,87 @@ def bench_padding(num_utts: int, caps: list[float]) -> dict:
     return {"durations": {"n": num_utts} | {k: float(v) for k, v in stats.items()}, "samplers": rows}
 
 
+def bench_resample(repeats: int = 20) -> dict:
+    """ms per call: torchaudio.functional.resample (kernel built each call) vs asr.audio.resample."""
+    import torchaudio.functional
+
+    torch.set_num_threads(1)
+    rows = {}
+    for orig in (44100, 14400, 8000):  # 14400 -> 16000: speed perturbation 0.9
+        for seconds in (1, 12):
+            wave = torch.randn(orig * seconds)
+            fns = {
+                "torchaudio": lambda w=wave, r=orig: torchaudio.functional.resample(w, r, SAMPLE_RATE),
+                "cached": lambda w=wave, r=orig: resample(w, r, SAMPLE_RATE),
+            }
+            times = best_times(fns, repeats)
+            rows[f"{orig} Hz, {seconds} s"] = {k: 1000 * t for k, t in times.items()}
+    return rows
+
+
+def fake_manifest(lines: int, seed: int = 0) -> list[Utterance]:
+    """LibriSpeech-like manifest lines (ids, absolute paths, ~190-character texts); no audio."""
+    rng = np.random.default_rng(seed)
+    words = ["THE", "AND", "OF", "TO", "A", "IN", "HE", "WAS", "THAT", "HIS", "WITH", "HAD", "SHOULD", "NEVER"]
+    utts = []
+    for k, seconds in enumerate(librispeech_durations(lines, seed)):
+        spk, chapter = 100 + k // 1000, 2000 + k // 100
+        utt_id = f"{spk}-{chapter}-{k % 100:04d}"
+        path = f"/data/corpora/LibriSpeech/train-other-500/{spk}/{chapter}/{utt_id}.flac"
+        text = " ".join(rng.choice(words, size=int(seconds * 2.8)))
+        utts.append(Utterance(utt_id, path, float(seconds), text, speaker=str(spk)))
+    return utts
+
+
+def _private_dirty_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("Private_Dirty:"))
+
+
+def forked_private_mb(work) -> float:
+    """MB of private (copied) memory a forked child adds by running `work()` then a full gc."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report, leave without running the parent's cleanup
+        before = _private_dirty_kb()
+        work()
+        gc.collect()
+        os.write(write, str(_private_dirty_kb() - before).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        kb = int(f.read() or 0)
+    os.waitpid(pid, 0)
+    return kb / 1024
+
+
+def bench_worker_memory(lines: int) -> dict:
+    """Copy-on-read cost per worker of the dataset's utterances, and of the parent's manifest list."""
+    manifest = fake_manifest(lines)
+    held = {"utts": speed_perturb(manifest, (0.9, 1.1))}  # the list the old Dataset kept
+
+    def read_list() -> None:
+        for u in held["utts"]:
+            _ = (u.id, u.audio, u.text, u.duration, u.start, u.end, u.speed)
+
+    rows = {"list of Utterance (before)": forked_private_mb(read_list)}
+    dataset = ASRDataset(held["utts"], None, features=FeatureConfig())
+    n = len(held.pop("utts"))
+    gc.collect()
+
+    def read_dataset(freeze: bool) -> None:
+        if freeze:
+            gc.freeze()  # what make_loader's workers do first
+        for i in range(n):
+            dataset.utterance(i)
+
+    rows["ASRDataset (after), worker gc.freeze()"] = forked_private_mb(lambda: read_dataset(True))
+    rows["ASRDataset (after), no gc.freeze()"] = forked_private_mb(lambda: read_dataset(False))
+    rows["  of which the parent's manifest list"] = forked_private_mb(lambda: None)
+    return {"manifest_lines": lines, "utterances": n, "dataset_bytes": dataset._utts.nbytes,
+            "worker_private_mb": rows, "manifest_kept": len(manifest)}
+
+
 def print_report(loading: dict, padding: dict) -> None:
     print(f"Loading, 1 thread, {loading['files']} FLAC files, {loading['audio_s'] / 60:.1f} min of audio")
     print(f"{'stage':48s} {'wall s':>8s} {'x real time':>12s}")
@@ -150,23 +244,41 @@ def print_report(loading: dict, padding: dict) -> None:
         )
 
 
+def print_extra(resampling: dict, memory: dict | None) -> None:
+    print(f"\nResampling to 16 kHz, ms per call (1 thread)\n{'input':18s} {'torchaudio':>10s} {'cached':>8s}")
+    for name, row in resampling.items():
+        print(f"{name:18s} {row['torchaudio']:10.3f} {row['cached']:8.3f}")
+    if memory is None:
+        return
+    print(f"\nWorker memory, {memory['manifest_lines']} manifest lines x3 speeds = {memory['utterances']} "
+          f"utterances (packed dataset {memory['dataset_bytes'] / 2**20:.0f} MB, shared)")
+    for name, mb in memory["worker_private_mb"].items():
+        print(f"{name:44s} {mb:8.1f} MB private per worker")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--files", type=int, default=60, help="FLAC files generated for the loading benchmark")
     parser.add_argument("--repeats", type=int, default=7, help="runs per stage; the fastest counts")
     parser.add_argument("--durations", type=int, default=28000, help="durations drawn for the padding benchmark")
     parser.add_argument("--cap", type=float, default=200.0, help="max_batch_seconds (padded seconds per batch)")
+    parser.add_argument("--lines", type=int, default=281241, help="manifest lines for the worker memory benchmark")
     parser.add_argument("--out", type=Path, default=Path("bench_data.json"), help="JSON results")
     args = parser.parse_args()
     loading = bench_loading(args.files, args.repeats, args.cap)
     padding = bench_padding(args.durations, sorted({100.0, args.cap, 400.0}))
+    resampling = bench_resample()
+    memory = bench_worker_memory(args.lines) if os.path.exists("/proc/self/smaps_rollup") and args.lines else None
     print_report(loading, padding)
+    print_extra(resampling, memory)
     whole = loading["stages"]["whole path: FLAC -> fbank -> CMVN -> collate"]["x_real_time"]
     bucketed = padding["samplers"][f"bucketed cap {args.cap:g} s"]["padding"]
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "loading": loading,
         "padding": padding,
+        "resample_ms": resampling,
+        "worker_memory": memory,
         "targets": {
             "x_real_time_per_core": {"target": TARGET_SPEED, "value": whole, "met": whole >= TARGET_SPEED},
             "padding_bucketed": {"target": TARGET_PADDING, "value": bucketed, "met": bucketed <= TARGET_PADDING},
