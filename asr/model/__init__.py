@@ -1,0 +1,37 @@
+"""The network: conv2d subsampling, transformer encoder, cached transformer decoder, CTC head.
+
+Network math only: no I/O, no decoding policy, nothing imported from the rest of `asr`.
+"""
+from __future__ import annotations
+
+from asr.model.asr_model import (
+    ASRModel,
+    ModelConfig,
+    ModelOutput,
+    build_model,
+    check_ctc_feasible,
+    count_parameters,
+    ctc_feasible,
+)
+from asr.model.attention import MultiHeadAttention, key_mask
+from asr.model.decoder import DecoderCache, TransformerDecoder
+from asr.model.encoder import TransformerEncoder, sinusoidal_positions
+from asr.model.subsampling import Conv2dSubsampling, conv_output_length
+
+__all__ = [
+    "ASRModel",
+    "Conv2dSubsampling",
+    "DecoderCache",
+    "ModelConfig",
+    "ModelOutput",
+    "MultiHeadAttention",
+    "TransformerDecoder",
+    "TransformerEncoder",
+    "build_model",
+    "check_ctc_feasible",
+    "conv_output_length",
+    "count_parameters",
+    "ctc_feasible",
+    "key_mask",
+    "sinusoidal_positions",
+]

@@ -1,0 +1,243 @@
+"""ModelConfig and ASRModel: encoder, attention decoder and CTC head trained with the joint loss.
+
+Token ids (DESIGN.md): blank 0, unk 1, real tokens from 2, sos = eos = V - 1, target padding -1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asr.model.attention import MultiHeadAttention
+from asr.model.decoder import TransformerDecoder
+from asr.model.encoder import TransformerEncoder
+from asr.model.subsampling import RATES, conv_output_length
+
+__all__ = [
+    "ASRModel", "ModelConfig", "ModelOutput", "build_model", "check_ctc_feasible", "count_parameters",
+    "ctc_feasible", "smoothed_cross_entropy",
+]
+
+BLANK = 0
+MIN_VOCAB = 4  # blank, unk, one real token, sos/eos
+FRAME_SHIFT_MS = 10.0  # of the filterbank frames the model is fed
+CTC_MARGIN = 1.25  # headroom of the encoder frame rate over the mean token rate (see check_ctc_feasible)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network's dimensions and loss weights; stored in model files as a plain dict
+    (`dataclasses.asdict`). Defaults: the ESPnet / WeNet LibriSpeech-100h transformer baseline."""
+
+    vocab_size: int = 0  # V incl. blank, unk and sos/eos; 0 = not set yet: build_model takes the tokenizer's
+    n_mels: int = 80  # input feature dimension
+    subsampling: int = 4  # time reduction of the conv front end: 4, 6 or 8
+    conv_channels: int = 256  # channels of the subsampling convs (independent of d_model)
+    d_model: int = 256
+    n_heads: int = 4
+    ffn_dim: int = 2048
+    encoder_layers: int = 12
+    decoder_layers: int = 6
+    dropout: float = 0.1  # residual, position-wise feed-forward and input (after positions) dropout
+    attention_dropout: float = 0.0  # on attention weights
+    ctc_weight: float = 0.3  # loss = ctc_weight * CTC + (1 - ctc_weight) * attention
+    lsm_weight: float = 0.1  # label smoothing e of the attention loss
+    tie_embeddings: bool = False  # share the decoder's embedding and output projection matrix
+
+    def __post_init__(self) -> None:
+        positive = ("n_mels", "conv_channels", "d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_layers")
+        for name in positive:
+            _require(self, name, getattr(self, name) > 0, "must be positive")
+        _require(self, "vocab_size", self.vocab_size == 0 or self.vocab_size >= MIN_VOCAB,
+                 f"must be 0 (set from the tokenizer) or at least {MIN_VOCAB}")
+        _require(self, "subsampling", self.subsampling in RATES, f"must be one of {RATES}")
+        _require(self, "n_mels", conv_output_length(self.n_mels, self.subsampling) >= 1,
+                 f"is too small for {self.subsampling}x subsampling")
+        _require(self, "d_model", self.d_model % self.n_heads == 0 and self.d_model % 2 == 0,
+                 f"must be even and a multiple of n_heads ({self.n_heads})")
+        for name in ("dropout", "attention_dropout", "lsm_weight"):
+            _require(self, name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
+        _require(self, "ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]")
+
+    @property
+    def sos(self) -> int:
+        return self.vocab_size - 1
+
+    @property
+    def eos(self) -> int:
+        return self.vocab_size - 1
+
+    @property
+    def frames_per_second(self) -> float:
+        """Encoder frames per second of audio."""
+        return 1000.0 / FRAME_SHIFT_MS / self.subsampling
+
+
+def _require(config: ModelConfig, name: str, ok: bool, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"model.{name} = {getattr(config, name)!r} {reason}")
+
+
+class ModelOutput(NamedTuple):
+    """What `ASRModel.forward` returns; losses are already divided by their normalizers."""
+
+    loss: torch.Tensor  # () ctc_weight * ctc_loss + (1 - ctc_weight) * att_loss
+    att_loss: torch.Tensor  # () label-smoothed cross-entropy summed over target tokens / num_tokens normalizer
+    ctc_loss: torch.Tensor  # () CTC summed over (feasible) utterances / num_utts normalizer
+    accuracy: torch.Tensor  # () fraction of this batch's target tokens the teacher-forced argmax gets right
+    num_tokens: torch.Tensor  # () long, target tokens in this batch, one eos per utterance included
+    num_utts: torch.Tensor  # () long, utterances in this batch
+    ctc_skipped: torch.Tensor  # (B,) bool, utterances left out of the CTC loss: labels + repeats > frames
+
+
+def check_ctc_feasible(subsampling: int, tokens_per_second: float, *, frame_shift_ms: float = FRAME_SHIFT_MS,
+                       margin: float = CTC_MARGIN) -> None:
+    """Raise a one-line ValueError when `subsampling` leaves too few encoder frames for CTC.
+
+    CTC needs a frame per label plus one per repeated label. `tokens_per_second` is the mean
+    rate of the training targets (tokens / seconds of audio); fast speech and repeats run above
+    the mean, so the frame rate must exceed it by `margin`. Characters (about 14 per second in
+    LibriSpeech) fail at 8x (12.5 frames per second) and pass at 4x (25).
+    """
+    frames = 1000.0 / frame_shift_ms / subsampling
+    if tokens_per_second * margin > frames:
+        raise ValueError(
+            f"{subsampling}x subsampling gives {frames:.1f} encoder frames per second, too few for CTC on "
+            f"{tokens_per_second:.1f} tokens per second (needs {tokens_per_second * margin:.1f}: {margin:g}x for fast "
+            "speech and repeated tokens); use a lower subsampling rate or larger tokens (BPE)"
+        )
+
+
+def ctc_feasible(tokens: torch.Tensor, token_lens: torch.Tensor, frame_lens: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: True where CTC can align tokens (B, L) (-1 padded) to frame_lens (B,) frames,
+    i.e. frames >= labels + repeated neighbouring labels (and at least one frame)."""
+    valid = torch.arange(tokens.size(1), device=tokens.device) < token_lens[:, None]  # (B, L)
+    repeats = ((tokens[:, 1:] == tokens[:, :-1]) & valid[:, 1:]).sum(dim=1)  # (B,)
+    return (token_lens + repeats <= frame_lens) & (frame_lens > 0)
+
+
+def smoothed_cross_entropy(log_probs: torch.Tensor, targets: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Per-token label-smoothed cross-entropy (N,) of log_probs (N, V) against targets (N,):
+    the target has weight 1 - e, every other token e / (V - 1)."""
+    other = smoothing / (log_probs.size(-1) - 1)
+    target_lp = log_probs.gather(-1, targets[:, None])[:, 0]  # (N,)
+    return -((1.0 - smoothing - other) * target_lp + other * log_probs.sum(dim=-1))
+
+
+class ASRModel(nn.Module):
+    """Transformer encoder, attention decoder and CTC head (a Linear on the encoder output)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.vocab_size == 0:
+            raise ValueError("model.vocab_size is not set: build the model with build_model(config, vocab_size=...)")
+        self.config = config
+        self.encoder = TransformerEncoder(
+            n_mels=config.n_mels, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,
+            n_layers=config.encoder_layers, conv_channels=config.conv_channels, subsampling=config.subsampling,
+            dropout=config.dropout, attention_dropout=config.attention_dropout,
+        )
+        self.decoder = TransformerDecoder(
+            vocab_size=config.vocab_size, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,
+            n_layers=config.decoder_layers, dropout=config.dropout, attention_dropout=config.attention_dropout,
+            tie_embeddings=config.tie_embeddings,
+        )
+        self.ctc = nn.Linear(config.d_model, config.vocab_size)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform matrices (attention q, k, v each on its own), zero biases, LayerNorm (1, 0),
+        embedding N(0, 1/d) so that the sqrt(d)-scaled embedding has unit variance."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, MultiHeadAttention):
+                module.reset_parameters()
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        nn.init.normal_(self.decoder.embed.weight, std=self.config.d_model ** -0.5)  # last: wins when tied
+
+    def ctc_log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """CTC log-probabilities (B, T, V) float32 of encoder output h (B, T, d)."""
+        return self.ctc(h).float().log_softmax(dim=-1)
+
+    def forward(
+        self,
+        feats: torch.Tensor,
+        feat_lens: torch.Tensor,
+        tokens: torch.Tensor,
+        token_lens: torch.Tensor,
+        *,
+        num_tokens: torch.Tensor | float | None = None,
+        num_utts: torch.Tensor | float | None = None,
+    ) -> ModelOutput:
+        """Joint loss of feats (B, T, n_mels), feat_lens (B,), tokens (B, L) padded with -1, token_lens (B,).
+
+        tokens hold the targets only: sos and eos are added here. The attention loss is divided
+        by `num_tokens` (default: this batch's sum(token_lens + 1), eos included) and the CTC loss
+        by `num_utts` (default: this batch's B, infeasible utterances included); a DDP trainer
+        passes the global batch's counts so that the ranks' gradients sum to the whole batch's.
+        Utterances CTC cannot align (labels + repeats > encoder frames) add 0 to the CTC loss and
+        are flagged in `ctc_skipped`; the loss is never infinite.
+        """
+        h, h_lens = self.encoder(feats, feat_lens)
+        ctc_sum, skipped = self._ctc_sum(h, h_lens, tokens, token_lens)
+        att_sum, correct, count = self._attention_sum(h, h_lens, tokens, token_lens)
+        num_tokens = count if num_tokens is None else num_tokens
+        num_utts = token_lens.new_tensor(tokens.size(0)) if num_utts is None else num_utts
+        att_loss, ctc_loss = att_sum / num_tokens, ctc_sum / num_utts
+        weight = self.config.ctc_weight
+        loss = weight * ctc_loss + (1.0 - weight) * att_loss
+        return ModelOutput(loss, att_loss, ctc_loss, correct / count.clamp(min=1), count,
+                           token_lens.new_tensor(tokens.size(0)), skipped)
+
+    def _ctc_sum(self, h: torch.Tensor, h_lens: torch.Tensor, tokens: torch.Tensor,
+                 token_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CTC loss summed over the feasible utterances, and the (B,) mask of the others."""
+        log_probs = self.ctc_log_probs(h).transpose(0, 1)  # (T, B, V), T >= 1
+        # an utterance without frames is infeasible; one (padding) frame keeps every kernel happy
+        per_utt = F.ctc_loss(log_probs, tokens.clamp(min=0), h_lens.clamp(min=1), token_lens, blank=BLANK,
+                             reduction="none", zero_infinity=True)  # (B,)
+        feasible = ctc_feasible(tokens, token_lens, h_lens)
+        return torch.where(feasible, per_utt, 0.0).sum(), ~feasible
+
+    def _attention_sum(self, h: torch.Tensor, h_lens: torch.Tensor, tokens: torch.Tensor,
+                       token_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Label-smoothed CE summed over targets + eos, correct argmax count, target count."""
+        eos = self.config.eos
+        sos_column = tokens.new_full((tokens.size(0), 1), self.config.sos)
+        inputs = torch.cat([sos_column, tokens], dim=1)  # (B, L + 1): sos y1 .. yn [-1 ...]
+        padding = tokens.new_full((tokens.size(0), 1), -1)
+        targets = torch.cat([tokens, padding], dim=1)  # (B, L + 1): y1 .. yn -1 [-1 ...]
+        targets = targets.scatter(1, token_lens[:, None], eos)  # y1 .. yn eos [-1 ...]
+        log_probs = self.decoder(inputs, token_lens + 1, h, h_lens)  # (B, L + 1, V)
+        valid = targets >= 0
+        log_probs, targets = log_probs[valid], targets[valid]  # (N, V), (N,)
+        loss = smoothed_cross_entropy(log_probs, targets, self.config.lsm_weight).sum()
+        correct = (log_probs.argmax(dim=-1) == targets).sum()
+        return loss, correct, valid.sum()
+
+
+def build_model(config: ModelConfig, *, vocab_size: int | None = None,
+                tokens_per_second: float | None = None) -> ASRModel:
+    """The model of `config`, with `vocab_size` (the tokenizer's V) filled in when given.
+
+    With `tokens_per_second` (mean target rate of the training data), a subsampling rate that
+    leaves CTC too few frames is refused with a one-line ValueError (see check_ctc_feasible).
+    """
+    if vocab_size is not None:
+        config = dataclasses.replace(config, vocab_size=vocab_size)
+    if tokens_per_second is not None:
+        check_ctc_feasible(config.subsampling, tokens_per_second)
+    return ASRModel(config)
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Distinct parameters of `module` (a tied matrix counts once)."""
+    return sum(p.numel() for p in module.parameters())
+

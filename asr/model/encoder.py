@@ -1,0 +1,96 @@
+"""Transformer encoder: conv2d subsampling -> scaled input + sinusoidal positions -> pre-LayerNorm
+blocks -> final LayerNorm. (feats, feat_lens) -> (h, h_lens); masks come from the lengths after
+subsampling. Also the pieces the decoder shares: positions and the feed-forward block.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from asr.model.attention import MultiHeadAttention, key_mask
+from asr.model.subsampling import Conv2dSubsampling
+
+
+def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
+    """Sinusoidal encodings (T, d_model) float32 of positions (T,): sin at even, cos at odd dims.
+
+    PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d)). Computed on the fly
+    (no buffer, so no length limit); the same positions give bit-identical rows, which keeps the
+    decoder's cached step equal to its teacher-forced forward.
+    """
+    freqs = torch.exp(torch.arange(0, d_model, 2, device=positions.device) * (-math.log(10000.0) / d_model))
+    angles = positions.float()[:, None] * freqs  # (T, d/2)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # (T, d)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: Linear(d, ffn) -> ReLU -> dropout -> Linear(ffn, d)."""
+
+    def __init__(self, *, d_model: int, ffn_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(d_model, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LayerNorm block: x + drop(self_attn(LN(x))), then x + drop(ffn(LN(x)))."""
+
+    def __init__(self, *, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.self_attn = MultiHeadAttention(d_model=d_model, n_heads=n_heads, dropout=attention_dropout)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d), mask (B, 1, 1, T) True on valid frames -> (B, T, d)."""
+        x = x + self.dropout(self.self_attn(self.norm1(x), mask=mask))
+        return x + self.dropout(self.ffn(self.norm2(x)))
+
+
+class TransformerEncoder(nn.Module):
+    """(feats (B, T, n_mels), feat_lens (B,)) -> (h (B, T', d_model), h_lens (B,)).
+
+    Frames of h at or beyond h_lens[b] are padding with unspecified values; valid frames do not
+    depend on them (an utterance gives the same h alone and inside a padded batch).
+    """
+
+    def __init__(
+        self,
+        *,
+        n_mels: int,
+        d_model: int,
+        n_heads: int,
+        ffn_dim: int,
+        n_layers: int,
+        conv_channels: int,
+        subsampling: int,
+        dropout: float,
+        attention_dropout: float,
+    ) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.subsampling = Conv2dSubsampling(n_mels=n_mels, d_model=d_model, channels=conv_channels, rate=subsampling)
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            EncoderLayer(d_model=d_model, n_heads=n_heads, ffn_dim=ffn_dim, dropout=dropout,
+                         attention_dropout=attention_dropout)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
+        positions = sinusoidal_positions(torch.arange(x.size(1), device=x.device), self.d_model)
+        x = self.dropout(x * math.sqrt(self.d_model) + positions)
+        mask = key_mask(x_lens, x.size(1))  # (B, 1, 1, T')
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x), x_lens

@@ -1,0 +1,388 @@
+"""The network: subsampling lengths, attention, padding invariance, causality, the cache, the losses."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from asr.model import (
+    ASRModel,
+    Conv2dSubsampling,
+    ModelConfig,
+    MultiHeadAttention,
+    build_model,
+    check_ctc_feasible,
+    conv_output_length,
+    count_parameters,
+    ctc_feasible,
+    key_mask,
+)
+from asr.model.subsampling import RATES, right_context
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+SMALL = ModelConfig(vocab_size=13, n_mels=16, conv_channels=8, d_model=32, n_heads=4, ffn_dim=64,
+                    encoder_layers=2, decoder_layers=2, dropout=0.0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread (OpenMP threads spin badly on a busy CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_model(seed: int = 0, **changes) -> ASRModel:
+    torch.manual_seed(seed)
+    return ASRModel(dataclasses.replace(SMALL, **changes)).eval()
+
+
+def random_targets(lengths: list[int], vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real-token targets (B, max len) padded with -1, and their lengths."""
+    tokens = torch.full((len(lengths), max(lengths)), -1)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = torch.randint(2, vocab - 1, (n,), generator=generator)
+    return tokens, torch.tensor(lengths)
+
+
+# -- subsampling -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate", RATES)
+def test_output_lengths_over_a_grid(rate):
+    """output_lengths equals the frames the convs really produce, never negative, ~T / rate."""
+    sub = Conv2dSubsampling(n_mels=16, d_model=8, channels=4, rate=rate)
+    assert sub.receptive_field == right_context(rate) + 1 == {4: 7, 6: 11, 8: 15}[rate]
+    lengths = torch.arange(0, 120)
+    out = sub.output_lengths(lengths)
+    assert (out >= 0).all() and (out[: sub.receptive_field] == 0).all() and out[sub.receptive_field] == 1
+    assert (out[1:] >= out[:-1]).all()
+    for n in range(0, 120):
+        x, x_lens = sub(torch.randn(1, n, 16), torch.tensor([n]))
+        assert x_lens.item() == out[n].item() == conv_output_length(n, rate)
+        if n >= sub.receptive_field:
+            assert x.shape == (1, out[n].item(), 8)
+            assert abs(out[n].item() - n / rate) <= right_context(rate) / rate + 1
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_subsampling_right_context(rate):
+    """Output frame i depends on input frames rate*i .. rate*i + right_context, nothing later."""
+    torch.manual_seed(0)
+    sub = Conv2dSubsampling(n_mels=16, d_model=8, channels=4, rate=rate)
+    feats = torch.randn(1, 60, 16)
+    base, _ = sub(feats, torch.tensor([60]))
+    for j in (0, 17, 40):
+        changed = feats.clone()
+        changed[0, j] += 1.0
+        diff = (sub(changed, torch.tensor([60]))[0] - base).abs().amax(dim=-1)[0]  # (T',)
+        depends = [i for i in range(diff.numel()) if diff[i] > 0]
+        assert depends == [i for i in range(diff.numel()) if rate * i <= j <= rate * i + right_context(rate)]
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+def reference_attention(q, k, v, mask=None, is_causal=False):
+    """Plain matmul-softmax attention, the reference for SDPA."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, T, S)
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return scores.softmax(dim=-1) @ v
+
+
+def test_sdpa_attention_matches_reference():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(d_model=24, n_heads=3).eval()
+    x, memory = torch.randn(4, 7, 24), torch.randn(2, 9, 24)
+    mask = key_mask(torch.tensor([9, 4]), 9)  # (2, 1, 1, 9)
+
+    def finish(y):  # (B, H, T, dh) -> output projection, as attend does
+        return attn.out_proj(y.transpose(1, 2).reshape(y.size(0), y.size(2), 24))
+
+    q, k, v = attn.qkv(x)
+    torch.testing.assert_close(attn(x, is_causal=True), finish(reference_attention(q, k, v, is_causal=True)))
+    selfmask = key_mask(torch.tensor([7, 3, 5, 1]), 7)
+    torch.testing.assert_close(attn(x, mask=selfmask), finish(reference_attention(q, k, v, mask=selfmask)))
+    # cross-attention with 2 hypotheses per utterance: rows 0, 1 attend memory 0, rows 2, 3 memory 1
+    mk, mv = attn.key_value(memory)
+    got = attn.attend(attn.query(x), mk, mv, mask=mask)
+    rows = torch.tensor([0, 0, 1, 1])
+    want = finish(reference_attention(attn.query(x), mk[rows], mv[rows], mask=mask[rows]))
+    torch.testing.assert_close(got, want)
+
+
+def test_key_mask():
+    mask = key_mask(torch.tensor([3, 0, 5]), 5)
+    assert mask.shape == (3, 1, 1, 5) and mask.dtype == torch.bool
+    assert mask[:, 0, 0].tolist() == [[True] * 3 + [False] * 2, [True] + [False] * 4, [True] * 5]
+
+
+# -- encoder and decoder -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate", RATES)
+def test_padding_invariance(rate):
+    """An utterance alone and inside a padded batch with longer neighbours: same encoder output on
+    its valid frames and the same decoder log-probs on its valid positions (float32, 1e-5)."""
+    model = small_model(subsampling=rate)
+    g = torch.Generator().manual_seed(1)
+    feat_lens = torch.tensor([57, 90, 123])
+    feats = torch.randn(3, 123, 16, generator=g)  # padding frames are random too, not zeros
+    tokens = torch.randint(2, 12, (3, 9), generator=g)
+    token_lens = torch.tensor([5, 9, 7])
+    h, h_lens = model.encoder(feats, feat_lens)
+    lp = model.decoder(tokens, token_lens, h, h_lens)
+    for b in range(3):
+        n, m = feat_lens[b].item(), token_lens[b].item()
+        h1, h1_lens = model.encoder(feats[b:b + 1, :n], feat_lens[b:b + 1])
+        assert h1_lens.item() == h_lens[b].item() == h1.size(1)
+        torch.testing.assert_close(h1[0], h[b, : h1.size(1)], atol=1e-5, rtol=1e-5)
+        lp1 = model.decoder(tokens[b:b + 1, :m], token_lens[b:b + 1], h1, h1_lens)
+        torch.testing.assert_close(lp1[0], lp[b, :m], atol=1e-5, rtol=1e-5)
+
+
+def test_causality():
+    """Changing token t + 1 never changes the log-probs at positions <= t."""
+    model = small_model()
+    g = torch.Generator().manual_seed(2)
+    memory, memory_lens = torch.randn(2, 11, 32, generator=g), torch.tensor([11, 6])
+    tokens = torch.randint(2, 12, (2, 10), generator=g)
+    lens = torch.tensor([10, 10])
+    base = model.decoder(tokens, lens, memory, memory_lens)
+    for t in range(9):
+        changed = tokens.clone()
+        changed[:, t + 1] = (changed[:, t + 1] + 1 - 2) % 10 + 2
+        out = model.decoder(changed, lens, memory, memory_lens)
+        torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], atol=0, rtol=0)
+        assert not torch.allclose(out[:, t + 1], base[:, t + 1])
+
+
+@torch.inference_mode()
+def test_cached_decoding_matches_forward():
+    """Step by step with the cache (2 utterances x 3 hypotheses, capacity grown from 4) equals the
+    teacher-forced forward over 40 steps, to 1e-5."""
+    model = small_model()
+    g = torch.Generator().manual_seed(3)
+    memory, memory_lens = torch.randn(2, 15, 32, generator=g), torch.tensor([15, 8])
+    steps, group = 40, 3
+    tokens = torch.cat([torch.full((6, 1), model.config.sos), torch.randint(2, 12, (6, steps - 1), generator=g)], 1)
+    rows = torch.arange(6) // group  # utterance of each row
+    want = model.decoder(tokens, torch.full((6,), steps), memory[rows], memory_lens[rows])  # (6, steps, V)
+    cache = model.decoder.init_cache(memory, memory_lens, rows=6, capacity=4)
+    for t in range(steps):
+        log_probs, cache = model.decoder.step(tokens[:, t], memory, memory_lens, cache)
+        torch.testing.assert_close(log_probs, want[:, t], atol=1e-5, rtol=1e-5)
+    assert cache.length == steps and cache.self_kv.size(4) >= steps and cache.memory_kv.size(2) == 2
+
+
+@torch.inference_mode()
+def test_cache_reorder_and_drop():
+    """Reordering hypotheses within their utterance, and dropping an utterance, keep the cache
+    equal to the teacher-forced forward of the reordered histories."""
+    model = small_model()
+    g = torch.Generator().manual_seed(4)
+    memory, memory_lens = torch.randn(3, 12, 32, generator=g), torch.tensor([12, 7, 10])
+    history = torch.cat([torch.full((6, 1), model.config.sos), torch.randint(2, 12, (6, 5), generator=g)], 1)
+    cache = None
+    for t in range(3):
+        _, cache = model.decoder.step(history[:, t], memory, memory_lens, cache)
+    index = torch.tensor([1, 1, 3, 2, 5, 5])  # within utterances (rows 2u, 2u + 1 are utterance u)
+    cache, history = cache.reorder(index), history[index]
+    _, cache = model.decoder.step(history[:, 3], memory, memory_lens, cache)
+    keep = torch.tensor([4, 5, 0, 1])  # drop utterance 1, swap the order of utterances 0 and 2
+    cache, history = cache.reorder(keep), history[keep]
+    log_probs, cache = model.decoder.step(history[:, 4], memory, memory_lens, cache)
+    utts = torch.tensor([2, 2, 0, 0])
+    want = model.decoder(history[:, :5], torch.full((4,), 5), memory[utts], memory_lens[utts])[:, 4]
+    torch.testing.assert_close(log_probs, want, atol=1e-5, rtol=1e-5)
+
+
+def test_short_input_gives_empty_output():
+    """Inputs shorter than the receptive field: zero encoder frames, a finite loss, no crash."""
+    model = small_model()
+    feats, feat_lens = torch.randn(2, 5, 16), torch.tensor([5, 3])
+    h, h_lens = model.encoder(feats, feat_lens)
+    assert h_lens.tolist() == [0, 0] and torch.isfinite(h).all()
+    out = model(feats, feat_lens, torch.tensor([[2, 3], [4, -1]]), torch.tensor([2, 1]))
+    assert torch.isfinite(out.loss) and out.ctc_skipped.tolist() == [True, True]
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_every_parameter_gets_a_gradient(tie):
+    model = small_model(tie_embeddings=tie).train()
+    g = torch.Generator().manual_seed(5)
+    tokens, token_lens = random_targets([4, 6], 13, g)
+    out = model(torch.randn(2, 50, 16, generator=g), torch.tensor([50, 41]), tokens, token_lens)
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_tied_embeddings_share_the_matrix():
+    tied, untied = small_model(tie_embeddings=True), small_model()
+    assert tied.decoder.output.weight is tied.decoder.embed.weight
+    assert count_parameters(untied) - count_parameters(tied) == 13 * 32
+
+
+def test_bf16_forward_on_cpu():
+    model = small_model()
+    g = torch.Generator().manual_seed(6)
+    tokens, token_lens = random_targets([4, 6], 13, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(2, 50, 16, generator=g), torch.tensor([50, 41]), tokens, token_lens)
+    assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+    out.loss.backward()
+
+
+def brute_force_ctc(log_probs: torch.Tensor, target: list[int]) -> float:
+    """-log of the summed probability of every frame path (T, V) that collapses to `target`."""
+    total = 0.0
+    for path in itertools.product(range(log_probs.size(1)), repeat=log_probs.size(0)):
+        collapsed = [s for i, s in enumerate(path) if s != 0 and (i == 0 or s != path[i - 1])]
+        if collapsed == target:
+            total += math.exp(sum(log_probs[t, s].item() for t, s in enumerate(path)))
+    return -math.log(total)
+
+
+def test_loss_matches_hand_computation():
+    """V = 5 (blank, unk, tokens 2 and 3, sos/eos 4), 4 encoder frames: the attention loss from an
+    explicit smoothed target distribution, the CTC loss by enumerating all 5^4 frame paths."""
+    model = small_model(vocab_size=5, ctc_weight=0.4, lsm_weight=0.2)
+    g = torch.Generator().manual_seed(7)
+    feats, feat_lens = torch.randn(2, 19, 16, generator=g), torch.tensor([19, 19])  # 19 frames -> 4 at 4x
+    tokens, token_lens = torch.tensor([[2, 3, 3], [3, -1, -1]]), torch.tensor([3, 1])
+    out = model(feats, feat_lens, tokens, token_lens)
+    h, h_lens = model.encoder(feats, feat_lens)
+    assert h_lens.tolist() == [4, 4]
+    ctc = sum(brute_force_ctc(model.ctc_log_probs(h)[b], t) for b, t in enumerate([[2, 3, 3], [3]]))
+    att = 0.0
+    for b, target in enumerate([[2, 3, 3, 4], [3, 4]]):
+        inputs = torch.tensor([[4] + target[:-1]])
+        log_probs = model.decoder(inputs, torch.tensor([len(target)]), h[b:b + 1], h_lens[b:b + 1])[0]
+        for t, y in enumerate(target):
+            q = torch.full((5,), 0.2 / 4)
+            q[y] = 0.8
+            att -= (q * log_probs[t]).sum().item()
+    assert out.num_tokens.item() == 6 and out.num_utts.item() == 2
+    assert out.ctc_loss.item() == pytest.approx(ctc / 2, rel=1e-5)
+    assert out.att_loss.item() == pytest.approx(att / 6, rel=1e-5)
+    assert out.loss.item() == pytest.approx(0.4 * ctc / 2 + 0.6 * att / 6, rel=1e-5)
+
+
+def test_split_batch_with_global_normalizers_sums_to_whole():
+    """Two halves of a batch with the whole batch's counts: losses and gradients add up to the whole's."""
+    model = small_model().train()
+    g = torch.Generator().manual_seed(8)
+    feat_lens = torch.tensor([70, 45, 60, 33])
+    feats = torch.randn(4, 70, 16, generator=g)
+    tokens, token_lens = random_targets([5, 3, 7, 2], 13, g)
+    whole = model(feats, feat_lens, tokens, token_lens)
+    whole.loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    num_tokens, num_utts = (token_lens + 1).sum(), 4
+    total = 0.0
+    for half in (slice(0, 2), slice(2, 4)):
+        n, m = feat_lens[half].max(), token_lens[half].max()
+        part = model(feats[half, :n], feat_lens[half], tokens[half, :m], token_lens[half],
+                     num_tokens=num_tokens, num_utts=num_utts)
+        part.loss.backward()
+        total += part.loss.item()
+    assert total == pytest.approx(whole.loss.item(), rel=1e-5)
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-4)
+
+
+def test_ctc_infeasible_utterance_is_skipped_not_infinite():
+    model = small_model().train()
+    g = torch.Generator().manual_seed(9)
+    feats, feat_lens = torch.randn(2, 40, 16, generator=g), torch.tensor([40, 40])  # 9 frames each
+    tokens = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3], [2, 2, 2, 2, 2, 2, -1, -1, -1, -1, -1, -1]])
+    token_lens = torch.tensor([12, 6])  # 12 labels > 9 frames; 6 labels + 5 repeats > 9 frames
+    out = model(feats, feat_lens, tokens, token_lens)
+    assert out.ctc_skipped.tolist() == [True, True] and out.ctc_loss.item() == 0.0
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    feasible = ctc_feasible(torch.tensor([[2, 2, 3], [2, 3, 4]]), torch.tensor([3, 3]), torch.tensor([3, 3]))
+    assert feasible.tolist() == [False, True]
+
+
+def test_ctc_feasibility_at_build():
+    check_ctc_feasible(4, 14.0)  # characters at 4x: 25 frames per second
+    check_ctc_feasible(8, 3.5)  # BPE at 8x
+    with pytest.raises(ValueError, match="8x subsampling gives 12.5 encoder frames per second") as e:
+        build_model(dataclasses.replace(SMALL, subsampling=8), tokens_per_second=14.0)
+    assert "\n" not in str(e.value)
+    assert build_model(ModelConfig(**_small_dict(vocab_size=0)), vocab_size=40).config.vocab_size == 40
+
+
+def _small_dict(**changes) -> dict:
+    return {**dataclasses.asdict(SMALL), **changes}
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"subsampling": 5}, "subsampling"), ({"d_model": 30}, "d_model"), ({"ctc_weight": 1.5}, "ctc_weight"),
+    ({"vocab_size": 2}, "vocab_size"), ({"n_mels": 10, "subsampling": 8}, "n_mels"),
+    ({"lsm_weight": 1.0}, "lsm_weight"), ({"encoder_layers": 0}, "encoder_layers"),
+])
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=rf"^model\.{field} = ") as e:
+        ModelConfig(**_small_dict(**changes))
+    assert "\n" not in str(e.value)
+
+
+def test_unset_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="vocab_size is not set"):
+        ASRModel(ModelConfig())
+
+
+def model_confs() -> list[Path]:
+    return sorted(CONF.glob("*.yaml"))
+
+
+def test_conf_has_the_four_model_files():
+    assert {p.name for p in model_confs()} >= {"tiny.yaml", "synth.yaml", "librispeech_100h.yaml",
+                                               "librispeech_960h.yaml"}
+
+
+@pytest.mark.parametrize("path", model_confs(), ids=lambda p: p.name)
+def test_every_conf_builds_a_model(path):
+    """Every model YAML in conf/ (conf/decode/ aside) builds a model; its encoder and decoder run.
+    On the meta device: shapes only, no memory, no time."""
+    from asr.config import from_dict
+
+    config = from_dict(ModelConfig, yaml.safe_load(path.read_text())["model"], source=str(path), prefix="model.")
+    assert config.vocab_size == 0, "vocab_size comes from the tokenizer"
+    with torch.device("meta"):
+        model = build_model(config, vocab_size=300)
+        h, h_lens = model.encoder(torch.empty(2, 100, config.n_mels), torch.tensor([100, 80]))
+        log_probs = model.decoder(torch.zeros(2, 6, dtype=torch.long), torch.tensor([6, 4]), h, h_lens)
+    assert h.shape == (2, conv_output_length(100, config.subsampling), config.d_model)
+    assert log_probs.shape == (2, 6, 300)
+
+
+def test_baseline_parameter_count():
+    """librispeech_100h at a 300-token vocabulary: encoder + decoder = 27.25M, as ESPnet / WeNet."""
+    config = ModelConfig(**yaml.safe_load((CONF / "librispeech_100h.yaml").read_text())["model"])
+    with torch.device("meta"):
+        model = build_model(config, vocab_size=300)
+    assert count_parameters(model.encoder) + count_parameters(model.decoder) == 27_246_380
+    assert count_parameters(model) == 27_246_380 + 300 * 257  # + the CTC head
+
+
+def test_model_package_imports_only_torch():
+    """asr/model is network math: it imports torch and itself, nothing else of ours."""
+    package = Path(__file__).resolve().parents[1] / "asr" / "model"
+    for path in package.glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if words[:1] in (["import"], ["from"]) and words[1].split(".")[0] == "asr":
+                assert words[1].startswith("asr.model"), f"{path.name}: {line}"
