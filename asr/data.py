@@ -1015,6 +1015,9 @@ class ASRDataLoader(DataLoader):
             persistent_workers=num_workers > 0,
             worker_init_fn=_worker_init if num_workers > 0 else None,
             pin_memory=pin_memory,
+            # Its own generator: starting an iterator then draws no number from the global RNG
+            # (dropout's), so a resumed run consumes that RNG exactly as an uninterrupted one.
+            generator=torch.Generator().manual_seed(0),
         )
         self.batches = batches
         self.skipped: dict[str, str] = {}
