@@ -87,3 +87,27 @@ def test_average_state_dicts():
     assert torch.allclose(avg["w"], torch.tensor([2.0, 4.0])) and avg["step"].item() == 2
     with pytest.raises(ValueError):
         average_state_dicts([a, {"v": torch.zeros(2)}])
+
+
+def test_sigkill_while_writing_leaves_the_previous_file(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = example(tmp_path)
+    before = path.read_bytes()
+    writer = (
+        "import sys, time, torch\n"
+        "from asr.fileio import atomic_open\n"
+        "with atomic_open(sys.argv[1], 'wb') as f:\n"
+        "    torch.save({'format': 'asr-model', 'version': 1, 'w': torch.zeros(10**6)}, f)\n"
+        "    f.flush(); print('writing', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"  # the new file is half-way through
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.1)
+    assert path.read_bytes() == before
+    assert torch.equal(load_file(path)["state_dict"]["w"], torch.ones(2, 2))

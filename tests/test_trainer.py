@@ -177,3 +177,17 @@ def weights_at_init(tmp_path: Path) -> dict[str, torch.Tensor]:
     torch.manual_seed(config.training.seed)
     model = build_model(ModelConfig(**{**vars(config.model), "vocab_size": vocab}))
     return model.state_dict()
+
+
+@pytest.mark.slow
+def test_nonfinite_on_one_rank_of_two_is_skipped_without_a_hang(tmp_path):
+    manifest = make_corpus(tmp_path / "data", n=8, seconds=0.75, step=0.0)
+    exp = tmp_path / "exp"
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", "29519"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ASR_INJECT_NONFINITE": "1:2"}  # rank 1 only, attempt 2
+    out = asr_train(manifest, exp, "training.max_steps=4", "training.epochs=10", "data.num_workers=0",
+                    "data.max_batch_seconds=1.5", "training.checkpoint_every=0", env=env, launcher=torchrun)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("skipped_steps", 0) for r in records) == 1
+    assert max(r["step"] for r in records) == 4  # both ranks skipped the same step and went on
