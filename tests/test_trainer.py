@@ -191,3 +191,12 @@ def test_nonfinite_on_one_rank_of_two_is_skipped_without_a_hang(tmp_path):
     records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("skipped_steps", 0) for r in records) == 1
     assert max(r["step"] for r in records) == 4  # both ranks skipped the same step and went on
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_loads_whole(path):
+    """Every section of every training config is known and typed (the model test builds them)."""
+    from asr.trainer import load_experiment_config
+
+    config = load_experiment_config(str(path), [])
+    assert config.training.epochs > 0 and config.data.max_batch_seconds > 0
