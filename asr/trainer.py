@@ -12,6 +12,7 @@ decision is taken from all-reduced values, so no rank waits forever in a collect
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -477,7 +478,7 @@ class _Loop:
         st.batch += len(group)
         # The one host synchronization of a step: skipping is decided from the gradient norm,
         # which is the same on every rank after DDP's all-reduce.
-        if not math.isfinite(float(grad_norm)) or not math.isfinite(float(sums[0])):
+        if not math.isfinite(float(grad_norm)):  # a non-finite loss makes the gradients non-finite too
             self._skip_step(float(grad_norm))
         else:
             run.scaler.step(run.optimizer)
@@ -511,7 +512,7 @@ class _Loop:
         feats, feat_lens = batch.feats.to(ctx.device, non_blocking=True), batch.feat_lens.to(ctx.device)
         tokens, token_lens = batch.tokens.to(ctx.device, non_blocking=True), batch.token_lens.to(ctx.device)
         no_sync = ctx.distributed and not sync
-        with run.wrapped.no_sync() if no_sync else _nullcontext():
+        with run.wrapped.no_sync() if no_sync else contextlib.nullcontext():
             with torch.autocast(ctx.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):
                 out = run.wrapped(feats, feat_lens, tokens, token_lens,
                                   num_tokens=norm[0], num_utts=norm[1])
@@ -631,14 +632,6 @@ def _dummy_batch(n_mels: int) -> Batch:
                  tokens=torch.full((1, 1), 2), token_lens=torch.tensor([1]))
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _progress(enabled: bool, total: int, done: int, desc: str):
     from tqdm import tqdm
 
@@ -671,15 +664,21 @@ class _Logger:
 
     def train_step(self, st: _State, sums: torch.Tensor, norm: torch.Tensor, grad_norm: torch.Tensor, lr: float,
                    audio_per_s: float, bar, every: int, batches: int) -> None:
+        """Every rank calls this after each step; every `every` steps the ranks' shares of the
+        loss are summed (one all-reduce, the same step on every rank) and rank 0 writes them."""
         bar.update(batches)
         self.pending.append((sums, norm, grad_norm))
-        if not self.enabled or st.step % every or not self.pending:
+        if st.step % every:
             return
-        total = torch.stack([s for s, _, _ in self.pending]).sum(0).tolist()  # host sync, every N steps
-        counts = torch.stack([n for _, n, _ in self.pending]).sum(0).tolist()
-        gnorm = float(self.pending[-1][2])
-        n = len(self.pending)
+        total = torch.stack([s for s, _, _ in self.pending]).sum(0)  # (4,) this rank's shares
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        total = total.tolist()  # host sync, every N steps
+        counts = torch.stack([n for _, n, _ in self.pending]).sum(0).tolist()  # already global
+        gnorm, n = float(self.pending[-1][2]), len(self.pending)
         self.pending = []
+        if not self.enabled:
+            return
         record = {"kind": "train", "step": st.step, "epoch": st.epoch + 1, "loss": total[0] / n,
                   "att_loss": total[1] / n, "ctc_loss": total[2] / n, "accuracy": total[3] / max(counts[0], 1),
                   "lr": lr, "grad_norm": gnorm, "audio_s_per_s": audio_per_s, "skipped_steps": st.skipped_steps}

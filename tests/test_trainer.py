@@ -151,7 +151,7 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
     # eps >> |g| makes Adam's update proportional to the gradient, so a wrong scale would show.
     common = ["training.max_steps=3", "training.epochs=10", "data.num_workers=0", "data.max_batch_seconds=1.5",
               "training.eps=100.0", "training.lr=1.0", "training.warmup_steps=1", "training.scheduler=constant",
-              "training.checkpoint_every=0", "training.valid_decode_utts=0"]
+              "training.checkpoint_every=0", "training.valid_decode_utts=0", "training.log_every=1"]
     one = tmp_path / "one"
     out = asr_train(manifest, one, *common, "training.accum_grad=2")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -166,6 +166,9 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
     assert moved > 1e-4
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    logged = [[json.loads(line)["loss"] for line in (e / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "train"] for e in (one, two)]
+    assert logged[0] == pytest.approx(logged[1], rel=1e-5)  # rank 0 logs the whole batch's loss
 
 
 def weights_at_init(tmp_path: Path) -> dict[str, torch.Tensor]:
