@@ -1,0 +1,233 @@
+"""CTC prefix scores for joint CTC/attention beam search, and CTC prefix beam search.
+
+Shape legend: B utterances, N hypotheses per utterance (beam), R = B * N rows (utterance b owns
+rows b*N .. b*N + N-1), C candidate tokens per row, T encoder frames, V vocabulary, K tokens
+tried per frame.
+
+The prefix probability of a token sequence h is the probability that the CTC output (repeats
+merged, blanks removed) starts with h; the probability of "h then eos" is that of the output
+being exactly h (Watanabe et al. 2017, "Hybrid CTC/attention architecture for end-to-end speech
+recognition", Algorithm 2). Frames at or past an utterance's length are padding that emits blank
+with probability 1, which changes no probability, so utterances of any lengths share a batch.
+
+Imports nothing of ours: the search hands in the CTC head and the token ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["LOG_ZERO", "CTCPrefixScorer", "CTCPrefixState", "PrefixBeams", "padded_log_probs", "prefix_beam_search"]
+
+# log(0) of the prefix scorer: finite, so that differences of impossible scores stay finite (no NaN)
+LOG_ZERO = -1e10
+_HASH_PRIME = 1_000_003  # prefix hashes: h(y + c) = h(y) * prime + c + 1, wrapping in int64
+
+
+def padded_log_probs(log_probs: torch.Tensor, lengths: torch.Tensor, *, blank: int,
+                     zero: float = LOG_ZERO) -> torch.Tensor:
+    """CTC log-probabilities (B, T, V) -> time-major (T, B, V), floored at `zero`, where frames
+    t >= lengths[b] emit blank with probability 1 (log 0) and anything else with log `zero`."""
+    pad = torch.arange(log_probs.size(1), device=log_probs.device) >= lengths[:, None]  # (B, T)
+    x = log_probs.clamp(min=zero).masked_fill(pad[..., None], zero)
+    x[..., blank] = x[..., blank].masked_fill(pad, 0.0)
+    return x.transpose(0, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class CTCPrefixState:
+    """The CTC side of R hypotheses of `length` tokens each (the search is label-synchronous)."""
+
+    x: torch.Tensor  # (T, B, V) padded log-probabilities of the utterances still searched
+    r: torch.Tensor  # (T, 2, R): log P(hypothesis emitted by frame t, frame t emitting [0] its last token, [1] blank)
+    prefix: torch.Tensor  # (R,) log prefix probability of each hypothesis
+    last: torch.Tensor  # (R,) long, last token of each hypothesis, -1 when empty
+    length: int  # tokens in every hypothesis
+    group: int  # N, rows per utterance
+    candidates: torch.Tensor | None = None  # (R, C) the tokens `score_partial` scored last
+    candidate_prefix: torch.Tensor | None = None  # (R, C) their prefix probabilities
+
+
+class CTCPrefixScorer:
+    """CTC prefix scores of candidate tokens: a partial scorer of the batch-first protocol in
+    asr.search (init_state, score_partial, select_state, final_score).
+
+    `ctc_log_probs` maps the encoder output (B, T, d) to CTC log-probabilities (B, T, V); the
+    candidates it scores are never blank.
+    """
+
+    def __init__(self, ctc_log_probs: Callable[[torch.Tensor], torch.Tensor], *, eos: int, blank: int = 0) -> None:
+        self.ctc_log_probs, self.eos, self.blank = ctc_log_probs, eos, blank
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> CTCPrefixState:
+        """The empty hypothesis in each of the `group` rows of every utterance."""
+        x = padded_log_probs(self.ctc_log_probs(memory), memory_lens, blank=self.blank)  # (T, B, V)
+        blanks = x[:, :, self.blank].cumsum(dim=0).repeat_interleave(group, dim=1)  # (T, R): all blank so far
+        r = torch.stack([torch.full_like(blanks, LOG_ZERO), blanks], dim=1)  # (T, 2, R)
+        rows = blanks.size(1)
+        last = torch.full((rows,), -1, dtype=torch.long, device=x.device)
+        return CTCPrefixState(x, r, blanks.new_zeros(rows), last, 0, group)
+
+    def score_partial(self, state: CTCPrefixState, candidates: torch.Tensor) -> tuple[torch.Tensor, CTCPrefixState]:
+        """Gain in log prefix probability (R, C) of appending each candidate token to its row's
+        hypothesis (for eos: log P(output == hypothesis) - log prefix probability)."""
+        start = state.length  # a token after `length` tokens is emitted at frame `length` at the earliest
+        frames = state.x.size(0)
+        r = state.r[max(start - 1, 0):frames - 1, :, :, None]  # (T', 2, R, 1), frames start-1 .. T-2
+        repeat = candidates == state.last[:, None]  # (R, C): a repeat needs a blank in between
+        phi = torch.logaddexp(r[:, 1], torch.where(repeat, LOG_ZERO, r[:, 0]))  # (T', R, C): ready to emit c next
+        if start == 0:  # before frame 0 the empty hypothesis is emitted with probability 1
+            phi = torch.cat([phi.new_zeros(1, *phi.shape[1:]), phi])
+        x_c = _gather_tokens(state.x[start:], candidates, state.group)  # (T - start, R, C)
+        psi = torch.logsumexp(phi + x_c, dim=0).clamp(min=LOG_ZERO)  # (R, C): over the frame c is first emitted
+        whole = torch.logaddexp(state.r[-1, 0], state.r[-1, 1])  # (R,): output == hypothesis
+        psi = torch.where(candidates == self.eos, whole[:, None], psi)
+        return psi - state.prefix[:, None], dataclasses.replace(state, candidates=candidates, candidate_prefix=psi)
+
+    def select_state(self, state: CTCPrefixState, rows: torch.Tensor, tokens: torch.Tensor) -> CTCPrefixState:
+        """The hypotheses rows[i] + tokens[i] (R',), each token one of its row's last candidates.
+        R' < R drops utterances: rows then come in whole groups, N per kept utterance."""
+        column = (state.candidates[rows] == tokens[:, None]).int().argmax(dim=1)  # (R',)
+        prefix = state.candidate_prefix[rows].gather(1, column[:, None])[:, 0]
+        x = state.x
+        if rows.numel() != state.r.size(2):
+            x = x.index_select(1, rows.view(-1, state.group)[:, 0] // state.group)
+        r = self._extend(x, state.r[:, :, rows], state.last[rows], tokens, state.length, state.group)
+        return CTCPrefixState(x, r, prefix, tokens, state.length + 1, state.group)
+
+    def final_score(self, state: CTCPrefixState) -> torch.Tensor:
+        """(R,) zeros: ending is scored as the eos candidate."""
+        return state.prefix.new_zeros(state.r.size(2))
+
+    def _extend(self, x: torch.Tensor, r: torch.Tensor, last: torch.Tensor, tokens: torch.Tensor,
+                length: int, group: int) -> torch.Tensor:
+        """Forward variables (T, 2, R) of hypotheses (r (T, 2, R), last (R,), `length` tokens)
+        extended by `tokens` (R,): the recursion over frames, from frame `length` on."""
+        frames, _, rows = r.shape
+        x_c = _gather_tokens(x, tokens[:, None], group)[:, :, 0]  # (T, R)
+        x_b = x[:, :, self.blank].repeat_interleave(group, dim=1)  # (T, R)
+        emit = torch.stack([x_c, x_b], dim=1)  # (T, 2, R)
+        # z[t] = [phi, r_token, r_blank]: phi[t] = P(ready to emit the token at t + 1); the new
+        # forward variables of frame t are logaddexp(r_token[t-1], [phi[t-1], r_blank[t-1]]) + emit[t]
+        z = torch.full((frames, 3, rows), LOG_ZERO, dtype=r.dtype, device=r.device)
+        z[:, 0] = torch.logaddexp(r[:, 1], torch.where(tokens == last, LOG_ZERO, r[:, 0]))
+        if length == 0:
+            z[0, 1] = x_c[0]
+        for t in range(max(length, 1), frames):
+            torch.logaddexp(z[t - 1, 1:2].expand(2, rows), z[t - 1, 0::2], out=z[t, 1:])
+            z[t, 1:] += emit[t]
+        return z[:, 1:]
+
+
+def _gather_tokens(x: torch.Tensor, tokens: torch.Tensor, group: int) -> torch.Tensor:
+    """x (T, B, V), tokens (R, C) of rows grouped N = group per utterance -> (T, R, C) x[t, r // N, tokens[r, c]]."""
+    frames, batch, vocab = x.shape
+    utterance = torch.arange(tokens.size(0), device=tokens.device) // group  # (R,)
+    flat = (utterance[:, None] * vocab + tokens).flatten()  # (R * C,)
+    return x.reshape(frames, batch * vocab).index_select(1, flat).view(frames, *tokens.shape)
+
+
+class PrefixBeams(NamedTuple):
+    """What `prefix_beam_search` returns: N prefixes per utterance, best first."""
+
+    tokens: torch.Tensor  # (B, N, L) long, -1 past each prefix's length
+    lengths: torch.Tensor  # (B, N) long
+    scores: torch.Tensor  # (B, N) log P(output == prefix) summed over the alignments kept; -inf: no prefix
+
+
+def prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, *, beam: int, max_lens: torch.Tensor,
+                       blank: int = 0) -> PrefixBeams:
+    """Frame-synchronous CTC prefix beam search over log_probs (B, T, V), lengths (B,), vectorized
+    over utterances and prefixes (no host synchronization inside the frame loop).
+
+    Keeps the `beam` most probable prefixes per utterance after every frame, each with its
+    probability of ending in blank and in its last token; at each frame only the `beam` most
+    probable non-blank tokens extend prefixes (the repeat of a prefix's own last token is always
+    counted). A prefix that reaches another one in the beam is merged into it. Prefixes are cut
+    at max_lens (B,) tokens. Tokens the caller must never emit (eos) get log-probability -inf.
+    """
+    x = padded_log_probs(log_probs, lengths, blank=blank, zero=float("-inf"))  # (T, B, V)
+    frames, batch, vocab = x.shape
+    n, k = beam, min(beam, vocab - 1)
+    tried = x.index_fill(2, torch.tensor([blank], device=x.device), float("-inf")).topk(k, dim=2)  # (T, B, K)
+    cap = max(int(max_lens.max()), 1) if batch else 1
+    beams = _Beams.make(batch, n, cap, x)
+    for t in range(frames):
+        beams = beams.advance(x[t], tried.values[t], tried.indices[t], max_lens, blank)
+    order = beams.total().sort(dim=1, descending=True)
+    pick = order.indices
+    tokens = beams.hist.gather(1, pick[..., None].expand(-1, -1, cap))
+    return PrefixBeams(tokens, beams.lens.gather(1, pick), order.values)
+
+
+@dataclass(frozen=True)
+class _Beams:
+    """The prefixes of `prefix_beam_search` (B, N each) after some frames."""
+
+    pb: torch.Tensor  # (B, N) log P(prefix, last frame blank)
+    pnb: torch.Tensor  # (B, N) log P(prefix, last frame its last token)
+    last: torch.Tensor  # (B, N) long, last token, -1 when empty
+    lens: torch.Tensor  # (B, N) long, tokens
+    hashes: torch.Tensor  # (B, N) int64 hash of the tokens
+    hist: torch.Tensor  # (B, N, L) long, the tokens, -1 past lens
+
+    @staticmethod
+    def make(batch: int, n: int, cap: int, like: torch.Tensor) -> _Beams:
+        """The empty prefix with probability 1 in slot 0; the other slots are dead (-inf)."""
+        pb = torch.full((batch, n), float("-inf"), dtype=like.dtype, device=like.device)
+        pb[:, 0] = 0.0
+        ids = torch.zeros((batch, n), dtype=torch.long, device=like.device)
+        hist = torch.full((batch, n, cap), -1, dtype=torch.long, device=like.device)
+        return _Beams(pb, torch.full_like(pb, float("-inf")), ids - 1, ids, ids.clone(), hist)
+
+    def total(self) -> torch.Tensor:
+        return torch.logaddexp(self.pb, self.pnb)
+
+    def advance(self, x: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor, max_lens: torch.Tensor,
+                blank: int) -> _Beams:
+        """One frame: x (B, V) its log-probabilities, tokens / values (B, K) its best non-blank tokens."""
+        batch, n = self.pb.shape
+        k = tokens.size(1)
+        total = self.total()
+        stay_b = total + x[:, blank, None]  # (B, N): the frame is blank
+        repeat_lp = x.gather(1, self.last.clamp(min=0)).masked_fill(self.last < 0, float("-inf"))
+        stay_nb = self.pnb + repeat_lp  # (B, N): the frame repeats the last token
+        c = tokens[:, None, :]  # (B, 1, K)
+        ext = torch.where(c == self.last[..., None], self.pb[..., None], total[..., None]) + values[:, None, :]
+        ext = ext.masked_fill((self.lens >= max_lens[:, None])[..., None], float("-inf"))  # (B, N, K)
+        ext_hash = self.hashes[..., None] * _HASH_PRIME + c + 1  # (B, N, K)
+        # an extension equal to a live prefix of the beam adds its probability there and goes
+        same = ((ext_hash.view(batch, -1, 1) == self.hashes[:, None, :])
+                & ((self.lens + 1).repeat_interleave(k, dim=1)[..., None] == self.lens[:, None, :])
+                & (total > float("-inf"))[:, None, :])  # (B, N * K, N)
+        stay_nb = torch.logaddexp(stay_nb, ext.view(batch, -1, 1).masked_fill(~same, float("-inf")).logsumexp(dim=1))
+        ext = ext.view(batch, -1).masked_fill(same.any(dim=2), float("-inf"))  # (B, N * K)
+        cand_pb = torch.cat([stay_b, torch.full_like(ext, float("-inf"))], dim=1)  # (B, N + N * K)
+        cand_pnb = torch.cat([stay_nb, ext], dim=1)
+        pick = torch.logaddexp(cand_pb, cand_pnb).topk(n, dim=1).indices  # (B, N)
+        return self._take(pick, cand_pb, cand_pnb, tokens, ext_hash.view(batch, -1))
+
+    def _take(self, pick: torch.Tensor, cand_pb: torch.Tensor, cand_pnb: torch.Tensor, tokens: torch.Tensor,
+              ext_hash: torch.Tensor) -> _Beams:
+        """The beam of candidates `pick` (B, N): index < N stays prefix `index`, else extends
+        prefix (index - N) // K by its token (index - N) % K."""
+        n, k = self.pb.size(1), tokens.size(1)
+        pb, pnb = cand_pb.gather(1, pick), cand_pnb.gather(1, pick)
+        ext_index = (pick - n).clamp(min=0)  # (B, N)
+        parent = torch.where(pick >= n, ext_index // k, pick)
+        is_ext = (pick >= n) & (torch.logaddexp(pb, pnb) > float("-inf"))  # a dead pick copies its parent
+        token = torch.where(is_ext, tokens.gather(1, ext_index % k), -1)
+        hist = self.hist.gather(1, parent[..., None].expand_as(self.hist))  # (B, N, L)
+        pos = self.lens.gather(1, parent).clamp(max=hist.size(2) - 1)[..., None]  # (B, N, 1)
+        hist.scatter_(2, pos, torch.where(is_ext[..., None], token[..., None], hist.gather(2, pos)))
+        return _Beams(
+            pb, pnb,
+            torch.where(is_ext, token, self.last.gather(1, parent)),
+            self.lens.gather(1, parent) + is_ext.long(),
+            torch.where(is_ext, ext_hash.gather(1, ext_index), self.hashes.gather(1, parent)),
+            hist,
+        )

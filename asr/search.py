@@ -1,0 +1,462 @@
+"""Decoding: greedy and beam search with the cached attention decoder, joint CTC/attention scoring,
+CTC greedy search, and CTC prefix beam search with attention rescoring.
+
+Shape legend: B utterances, N hypotheses per utterance (beam), R = B * N rows (utterance b owns
+rows b*N .. b*N + N - 1; greedy: N = 1, R = the utterances not finished), K pre-beam tokens per
+row, C = K + 1 candidates per row (the pre-beam, then eos), V vocabulary, T encoder frames,
+L tokens.
+
+Every search takes the encoder output (memory (B, T, d), memory_lens (B,)); `decode_memory` and
+`search_nbest` return, for each utterance in batch order, its n-best hypotheses, best first;
+`search` the best one (and runs the encoder first). The score of a hypothesis y (tokens without
+sos / eos) of the beam searches is
+
+    (1 - ctc_weight) * log P_att(y, eos) + ctc_weight * log P_ctc(y) + length_bonus * len(y)
+
+(attention: the decoder's log-probabilities of y's tokens and of the eos after them; CTC: of the
+output being exactly y, summed over alignments). An utterance gets at most
+floor(max_len_ratio * encoder frames) tokens: a hypothesis cut there ends without being charged
+for an eos (as in ESPnet and in greedy search), so its terms are log P_att(y) and the CTC prefix
+probability of y.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from asr.ctc_prefix import CTCPrefixScorer, prefix_beam_search
+from asr.model import ASRModel, DecoderCache, TransformerDecoder
+from asr.model.asr_model import BLANK
+
+MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
+
+__all__ = [
+    "MODES", "SEARCHES", "BeamSearch", "DecoderScorer", "FullScorer", "Hypothesis", "PartialScorer",
+    "SearchOptions", "attention_greedy", "beam_search", "ctc_greedy", "ctc_rescore", "decode_memory", "max_lengths",
+    "search", "search_nbest", "teacher_forced_scores",
+]
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How to decode; validated once, here. `greedy` and `ctc_greedy` read only max_len_ratio.
+    The other fields' defaults are the recommended beam search: SearchOptions(mode="attention")."""
+
+    mode: str = "greedy"  # greedy: the decoder's best token at each step (what training validates
+    # with); attention: beam search, joint with CTC when ctc_weight > 0; ctc_greedy: the best CTC
+    # path; ctc_rescore: CTC prefix beam search, its beam_size prefixes rescored by the decoder
+    beam_size: int = 10
+    ctc_weight: float = 0.3  # weight of the CTC score; the decoder's is 1 - ctc_weight
+    length_bonus: float = 0.0  # added to the score per output token (eos not counted)
+    max_len_ratio: float = 1.0  # at most floor(ratio * encoder frames) tokens per utterance
+    pre_beam_ratio: float = 1.5  # CTC scores the int(ratio * beam_size) best tokens of the decoder + eos
+    nbest: int = 1  # hypotheses returned per utterance, at most beam_size
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("mode", self.mode in MODES, f"must be one of {', '.join(MODES)}"),
+            ("beam_size", self.beam_size >= 1, "must be at least 1"),
+            ("ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]"),
+            ("max_len_ratio", self.max_len_ratio > 0, "must be positive"),
+            ("pre_beam_ratio", self.pre_beam_ratio >= 1.0, "must be at least 1"),
+            ("nbest", 1 <= self.nbest <= self.beam_size, f"must be in [1, beam_size = {self.beam_size}]"),
+        )
+        for name, ok, reason in checks:
+            if not ok:
+                raise ValueError(f"decoding.{name} = {getattr(self, name)!r} {reason}")
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One decoded token sequence (no sos / eos / blank) and its score (see the module docstring;
+    greedy: the decoder's log-probability of the tokens and of the eos when one was emitted;
+    ctc_greedy: the best path's)."""
+
+    tokens: tuple[int, ...]
+    score: float
+
+
+def max_lengths(memory_lens: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Maximum tokens per utterance (B,) long: floor(ratio * encoder frames)."""
+    return (memory_lens.double() * ratio).floor().long()
+
+
+# ---------------------------------------------------------------------------------------------
+# the scorer protocol (batch-first ESPnet scorers: states are tensors over the R rows)
+
+
+class FullScorer(Protocol):
+    """Scores every token of the vocabulary (the attention decoder; a language model later)."""
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> Any:
+        """The state of the empty hypothesis in `group` rows per utterance (R = B * group)."""
+
+    def score(self, state: Any, last_tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Log-probabilities (R, V) of the next token after each row's last token (R,) (sos
+        first), and the state that has read those tokens."""
+
+    def select_state(self, state: Any, rows: torch.Tensor, tokens: torch.Tensor) -> Any:
+        """Row i of the new state continues row rows[i] (R',) with tokens[i]; R' < R drops
+        utterances (rows then come in whole groups, N per kept utterance)."""
+
+    def final_score(self, state: Any) -> torch.Tensor:
+        """(R,) added to a hypothesis when it ends."""
+
+
+class PartialScorer(Protocol):
+    """Scores only the candidates the pre-beam chose (the CTC prefix scorer)."""
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> Any: ...
+
+    def score_partial(self, state: Any, candidates: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Scores (R, C) of appending candidates (R, C) (eos: of ending), and the state that knows them."""
+
+    def select_state(self, state: Any, rows: torch.Tensor, tokens: torch.Tensor) -> Any: ...
+
+    def final_score(self, state: Any) -> torch.Tensor: ...
+
+
+class DecoderScorer:
+    """The attention decoder as a FullScorer; its state is the DecoderCache (cross-attention keys
+    and values projected once per utterance, shared by the N rows of the utterance)."""
+
+    def __init__(self, decoder: TransformerDecoder) -> None:
+        self.decoder = decoder
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> DecoderCache:
+        return self.decoder.init_cache(memory, memory_lens, rows=memory.size(0) * group)
+
+    def score(self, state: DecoderCache, last_tokens: torch.Tensor) -> tuple[torch.Tensor, DecoderCache]:
+        return self.decoder.step(last_tokens, None, None, state)  # memory is read from the cache
+
+    def select_state(self, state: DecoderCache, rows: torch.Tensor, tokens: torch.Tensor) -> DecoderCache:
+        return state.reorder(rows)
+
+    def final_score(self, state: DecoderCache) -> torch.Tensor:
+        return torch.zeros(state.rows, device=state.self_kv.device)  # ending is scored as the eos token
+
+
+# ---------------------------------------------------------------------------------------------
+# beam search
+
+
+class BeamSearch:
+    """Label-synchronous beam search over B utterances x N hypotheses at once.
+
+    Each step: the full scorers score every token of the R hypotheses; the `pre_beam` scorer's
+    best K tokens (eos and `excluded` aside) and eos are each row's candidates; the partial scorers
+    score those; weighted sums (weights by scorer name) plus `length_bonus` per token rank the
+    N * C candidates of each utterance. Eos candidates among an utterance's best N end (kept,
+    the best N per utterance); the best N others continue. An utterance leaves the batch when
+    it has N ended hypotheses, when it reached its maximum length (all cut), or when (with
+    length_bonus <= 0, so scores only fall) its nbest-th ended hypothesis beats every running
+    one. One host synchronization per step: which utterances stay.
+    """
+
+    def __init__(self, *, full: dict[str, FullScorer], partial: dict[str, PartialScorer], weights: dict[str, float],
+                 pre_beam: str, beam_size: int, pre_beam_size: int, eos: int, excluded: tuple[int, ...] = (),
+                 length_bonus: float = 0.0, nbest: int = 1) -> None:
+        self.full, self.partial, self.weights = full, partial, weights
+        self.pre_beam, self.beam, self.pre_beam_size, self.eos = pre_beam, beam_size, pre_beam_size, eos
+        self.excluded = (eos, *excluded)  # never in the pre-beam (eos is every row's last candidate)
+        self.length_bonus, self.nbest = length_bonus, nbest
+
+    @torch.no_grad()
+    def __call__(self, memory: torch.Tensor, memory_lens: torch.Tensor,
+                 limits: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
+        """n-best of each utterance; limits (B,) long: the most tokens each may get."""
+        run = _Running.start(self, memory, memory_lens, limits)
+        ended = _Ended(memory.size(0), self.beam, run.history.size(1), memory.device)
+        for t in range(int(limits.max()) + 1):
+            candidates, scores = self._expand(run, t)  # (R, C) each
+            ended.add(run, candidates, scores, self.beam)
+            best = self._best_running(scores)  # (B, N) each
+            keep = self._staying(run, ended, best.values, t).nonzero()[:, 0]  # the step's host sync
+            if keep.numel() == 0:
+                break
+            run = self._advance(run, keep, best, candidates)
+        return ended.hypotheses(self.nbest)
+
+    def _expand(self, run: _Running, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates (R, C) (pre-beam tokens, eos last) and their total scores (R, C)."""
+        full = {}
+        for name, scorer in self.full.items():
+            full[name], run.states[name] = scorer.score(run.states[name], run.last)  # (R, V)
+        pre = full[self.pre_beam].index_fill(1, torch.tensor(self.excluded, device=run.last.device), float("-inf"))
+        tokens = pre.topk(self.pre_beam_size, dim=1).indices  # (R, K)
+        candidates = torch.cat([tokens, tokens.new_full((tokens.size(0), 1), self.eos)], dim=1)  # (R, C)
+        scores = run.scores[:, None] + sum(self.weights[name] * lp.gather(1, candidates) for name, lp in full.items())
+        final = torch.zeros_like(run.scores)
+        for name, scorer in self.partial.items():
+            partial, run.states[name] = scorer.score_partial(run.states[name], candidates)
+            scores = scores + self.weights[name] * partial
+        for name, scorer in {**self.full, **self.partial}.items():
+            final = final + self.weights[name] * scorer.final_score(run.states[name])
+        scores[:, -1] += final
+        scores[:, :-1] += self.length_bonus
+        at_limit = (run.limits <= t).repeat_interleave(self.beam)  # (R,): cut, without an eos charge
+        scores[:, -1] = torch.where(at_limit, run.scores + final, scores[:, -1])
+        scores[:, :-1] = scores[:, :-1].masked_fill(at_limit[:, None], float("-inf"))
+        return candidates, scores
+
+    def _best_running(self, scores: torch.Tensor) -> torch.return_types.topk:
+        """The best N non-eos candidates of each utterance: values / indices (B, N) into its N * C."""
+        scores = scores.clone()
+        scores[:, -1] = float("-inf")
+        return scores.view(-1, self.beam * scores.size(1)).topk(self.beam, dim=1)
+
+    def _staying(self, run: _Running, ended: _Ended, best: torch.Tensor, t: int) -> torch.Tensor:
+        """(B,) bool: the utterances that go on after step t."""
+        done_scores = ended.scores[run.utterances]  # (B, N), best first
+        full = (done_scores > float("-inf")).sum(dim=1) >= self.beam
+        done = full | (run.limits <= t) | (best[:, 0] == float("-inf"))
+        if self.length_bonus <= 0:
+            done |= done_scores[:, self.nbest - 1] >= best[:, 0]
+        return ~done
+
+    def _advance(self, run: _Running, keep: torch.Tensor, best: torch.return_types.topk,
+                 candidates: torch.Tensor) -> _Running:
+        """The running hypotheses of the kept utterances (B',) after this step's choices."""
+        n, c = self.beam, candidates.size(1)
+        index = best.indices[keep]  # (B', N) into the N * C candidates of each kept utterance
+        rows = (keep[:, None] * n + index // c).flatten()  # (R',) the row each new row continues
+        tokens = candidates.view(-1, n * c)[keep].gather(1, index).flatten()  # (R',)
+        for name, scorer in {**self.full, **self.partial}.items():
+            run.states[name] = scorer.select_state(run.states[name], rows, tokens)
+        history = run.history[rows]
+        history[:, run.length] = tokens
+        return _Running(run.states, best.values[keep].flatten(), tokens, history, run.length + 1,
+                        run.utterances[keep], run.limits[keep])
+
+
+@dataclass
+class _Running:
+    """The hypotheses being extended: R = B * N rows of the B utterances still searched."""
+
+    states: dict[str, Any]  # scorer name -> its state
+    scores: torch.Tensor  # (R,) total score so far
+    last: torch.Tensor  # (R,) long, last token (sos first)
+    history: torch.Tensor  # (R, Lmax) long, the tokens, -1 past `length`
+    length: int  # tokens of every hypothesis
+    utterances: torch.Tensor  # (B,) long, index in the original batch
+    limits: torch.Tensor  # (B,) long, most tokens
+
+    @staticmethod
+    def start(search: BeamSearch, memory: torch.Tensor, memory_lens: torch.Tensor, limits: torch.Tensor) -> _Running:
+        """The empty hypothesis, once per utterance: the N - 1 other rows start dead (-inf)."""
+        batch, n = memory.size(0), search.beam
+        states = {name: scorer.init_state(memory, memory_lens, n)
+                  for name, scorer in {**search.full, **search.partial}.items()}
+        scores = torch.full((batch, n), float("-inf"), device=memory.device)
+        scores[:, 0] = 0.0
+        last = torch.full((batch * n,), search.eos, dtype=torch.long, device=memory.device)  # sos = eos
+        history = torch.full((batch * n, max(int(limits.max()), 1)), -1, dtype=torch.long, device=memory.device)
+        return _Running(states, scores.flatten(), last, history, 0, torch.arange(batch, device=memory.device), limits)
+
+
+class _Ended:
+    """The best N ended hypotheses of every utterance of the original batch, on the device."""
+
+    def __init__(self, batch: int, n: int, max_len: int, device: torch.device) -> None:
+        self.scores = torch.full((batch, n), float("-inf"), device=device)  # (B0, N), best first
+        self.tokens = torch.full((batch, n, max_len), -1, dtype=torch.long, device=device)  # (B0, N, Lmax)
+
+    def add(self, run: _Running, candidates: torch.Tensor, scores: torch.Tensor, n: int) -> None:
+        """Keep the eos candidates that are among their utterance's best N candidates."""
+        c = candidates.size(1)
+        top = scores.view(-1, n * c).topk(n, dim=1)  # (B, N)
+        ended = (top.indices % c == c - 1) & (top.values > float("-inf"))
+        new_scores = top.values.masked_fill(~ended, float("-inf"))
+        history = run.history.view(-1, n, run.history.size(1))  # (B, N, Lmax)
+        new_tokens = history.gather(1, (top.indices // c)[..., None].expand_as(history))
+        all_scores = torch.cat([self.scores[run.utterances], new_scores], dim=1)  # (B, 2N)
+        all_tokens = torch.cat([self.tokens[run.utterances], new_tokens], dim=1)  # (B, 2N, Lmax)
+        best = all_scores.topk(n, dim=1)
+        self.scores[run.utterances] = best.values
+        self.tokens[run.utterances] = all_tokens.gather(1, best.indices[..., None].expand_as(new_tokens))
+
+    def hypotheses(self, nbest: int) -> list[tuple[Hypothesis, ...]]:
+        return _nbest_lists(self.scores, self.tokens, nbest)
+
+
+def _nbest_lists(scores: torch.Tensor, tokens: torch.Tensor, nbest: int) -> list[tuple[Hypothesis, ...]]:
+    """The first `nbest` hypotheses with a finite score of each utterance: scores (B, N) best
+    first, tokens (B, N, L) -1 padded. One transfer to the host."""
+    out = []
+    for row_scores, rows in zip(scores.tolist(), tokens.tolist()):
+        found = tuple(Hypothesis(tuple(t for t in row if t >= 0), s)
+                      for s, row in zip(row_scores[:nbest], rows) if s > float("-inf"))
+        out.append(found or (Hypothesis((), float("-inf")),))
+    return out
+
+
+def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+                options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    """Joint CTC/attention beam search (attention only when options.ctc_weight == 0; blank is
+    then an ordinary token of the decoder, as in greedy search, else never a candidate)."""
+    eos, weight = model.config.eos, options.ctc_weight
+    partial: dict[str, PartialScorer] = {}
+    if weight > 0:
+        partial["ctc"] = CTCPrefixScorer(model.ctc_log_probs, eos=eos, blank=BLANK)
+    excluded = (BLANK,) if partial else ()
+    pre_beam = options.beam_size if not partial else int(options.pre_beam_ratio * options.beam_size)
+    search = BeamSearch(
+        full={"decoder": DecoderScorer(model.decoder)}, partial=partial,
+        weights={"decoder": 1.0 - weight, "ctc": weight}, pre_beam="decoder", beam_size=options.beam_size,
+        pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
+        length_bonus=options.length_bonus, nbest=options.nbest,
+    )
+    return search(memory, memory_lens, max_lengths(memory_lens, options.max_len_ratio))
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy searches
+
+
+@torch.no_grad()
+def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
+                     max_len_ratio: float = 1.0) -> list[Hypothesis]:
+    """Greedy decoding with the cached decoder, all utterances at once.
+
+    An utterance stops at eos or after max_lengths(memory_lens, max_len_ratio) tokens, and leaves
+    the batch then (its cache rows are dropped). One host synchronization per step.
+    """
+    eos, batch = model.config.eos, memory.size(0)
+    limits = max_lengths(memory_lens, max_len_ratio)  # (B,)
+    rows = (limits > 0).nonzero()[:, 0]  # (R,) utterance of each live row
+    if rows.numel() == 0:
+        return [Hypothesis((), 0.0) for _ in range(batch)]
+    longest = int(limits.max())
+    tokens = limits.new_full((batch, longest), -1)  # (B, longest), -1 = not emitted
+    scores = memory.new_zeros(batch, dtype=torch.float32)
+    cache = model.decoder.init_cache(memory[rows], memory_lens[rows], rows=rows.numel(), capacity=longest)
+    last = limits.new_full((rows.numel(),), model.config.sos)  # (R,)
+    for t in range(longest):
+        log_probs, cache = model.decoder.step(last, memory, memory_lens, cache)  # (R, V)
+        best_lp, last = log_probs.max(dim=-1)  # (R,)
+        tokens[rows, t] = last
+        scores[rows] += best_lp
+        live = ((last != eos) & (limits[rows] > t + 1)).nonzero()[:, 0]  # the step's host sync
+        if live.numel() == 0:
+            break
+        if live.numel() < rows.numel():
+            rows, last, cache = rows[live], last[live], cache.reorder(live)
+    return [_hypothesis(row, eos, score) for row, score in zip(tokens.tolist(), scores.tolist())]
+
+
+def _hypothesis(row: list[int], eos: int, score: float) -> Hypothesis:
+    """Cut a row of emitted tokens (-1 = not emitted) at its first eos."""
+    ended = row.index(eos) if eos in row else len(row)
+    return Hypothesis(tuple(token for token in row[:ended] if token >= 0), score)
+
+
+@torch.no_grad()
+def ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
+               max_len_ratio: float = 1.0) -> list[Hypothesis]:
+    """Best-path CTC decoding: the most likely token per frame, repeats merged, blanks removed,
+    cut to max_lengths(memory_lens, max_len_ratio) tokens."""
+    log_probs = model.ctc_log_probs(memory)  # (B, T, V)
+    best_lp, best = log_probs.max(dim=-1)  # (B, T)
+    valid = torch.arange(best.size(1), device=best.device) < memory_lens[:, None]  # (B, T)
+    previous = torch.cat([best.new_full((best.size(0), 1), -1), best[:, :-1]], dim=1)
+    emit = valid & (best != previous) & (best != BLANK)  # (B, T)
+    scores = (best_lp * valid).sum(dim=1)
+    limits = max_lengths(memory_lens, max_len_ratio).tolist()
+    best, emit = best.cpu(), emit.cpu()  # one transfer, then per-utterance selection on the host
+    return [
+        Hypothesis(tuple(row[keep].tolist()[:limit]), score)
+        for row, keep, limit, score in zip(best, emit, limits, scores.tolist())
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# CTC prefix beam search + attention rescoring
+
+_RESCORE_ELEMENTS = 1 << 26  # log-probabilities (rows x positions x V) per teacher-forced chunk
+
+
+@torch.no_grad()
+def ctc_rescore(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+                options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    """CTC prefix beam search (beam_size prefixes per utterance), each prefix then scored by the
+    teacher-forced decoder: (1 - ctc_weight) * attention + ctc_weight * CTC + length_bonus * len."""
+    eos = model.config.eos
+    log_probs = model.ctc_log_probs(memory).index_fill(2, torch.tensor([eos], device=memory.device), float("-inf"))
+    limits = max_lengths(memory_lens, options.max_len_ratio)
+    beams = prefix_beam_search(log_probs, memory_lens, beam=options.beam_size, max_lens=limits, blank=BLANK)
+    att = teacher_forced_scores(model, memory, memory_lens, beams.tokens, beams.lengths)  # (B, N)
+    att = att.masked_fill((memory_lens == 0)[:, None], 0.0)  # no frames: the empty hypothesis scores 0
+    w = options.ctc_weight
+    scores = (1.0 - w) * att + w * beams.scores + options.length_bonus * beams.lengths
+    scores = scores.masked_fill(beams.scores == float("-inf"), float("-inf"))
+    order = scores.sort(dim=1, descending=True)
+    tokens = beams.tokens.gather(1, order.indices[..., None].expand_as(beams.tokens))
+    return _nbest_lists(order.values, tokens, options.nbest)
+
+
+def teacher_forced_scores(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, tokens: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor:
+    """log P_att(y, eos) (B, N) of N sequences per utterance: tokens (B, N, L) -1 padded, lengths (B, N).
+
+    One teacher-forced decoder pass over the N sequences of several utterances at a time (the
+    N share their utterance's cross-attention keys and values), in chunks of bounded size.
+    """
+    batch, n, width = tokens.shape
+    sos = tokens.new_full((batch, n, 1), model.config.sos)
+    inputs = torch.cat([sos, tokens], dim=2).view(batch * n, width + 1)  # sos y1 .. yL
+    targets = torch.cat([tokens, tokens.new_full((batch, n, 1), -1)], dim=2)
+    targets = targets.scatter(2, lengths[..., None], model.config.eos).view(batch * n, width + 1)  # y1 .. yL eos
+    step = max(1, _RESCORE_ELEMENTS // (n * (width + 1) * model.config.vocab_size))  # utterances per chunk
+    out = []
+    for b in range(0, batch, step):
+        rows = slice(b * n, (b + step) * n)
+        log_probs = model.decoder(inputs[rows], lengths.flatten()[rows] + 1, memory[b:b + step],
+                                  memory_lens[b:b + step])  # (rows, L + 1, V)
+        picked = log_probs.gather(2, targets[rows].clamp(min=0)[..., None])[..., 0]
+        out.append(picked.masked_fill(targets[rows] < 0, 0.0).sum(dim=1))
+    return torch.cat(out).view(batch, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+def _greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+            options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    return [(h,) for h in attention_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio)]
+
+
+def _ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+                options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    return [(h,) for h in ctc_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio)]
+
+
+SEARCHES = {"attention": beam_search, "greedy": _greedy, "ctc_greedy": _ctc_greedy, "ctc_rescore": ctc_rescore}
+
+
+@torch.no_grad()
+def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+                  options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    """The n-best (at most options.nbest, best first) of each utterance of an encoder output;
+    without encoder frames (input shorter than the subsampling's receptive field), the empty
+    hypothesis with score 0."""
+    if memory.size(1) == 0:
+        return [(Hypothesis((), 0.0),) for _ in range(memory.size(0))]
+    return SEARCHES[options.mode](model, memory, memory_lens, options)
+
+
+@torch.no_grad()
+def search_nbest(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
+                 options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    """Encode feats (B, T, n_mels), feat_lens (B,) and decode them as `options` say: the n-best
+    of each utterance, best first. The model should be in eval mode."""
+    memory, memory_lens = model.encoder(feats, feat_lens)
+    return decode_memory(model, memory, memory_lens, options)
+
+
+@torch.no_grad()
+def search(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
+           options: SearchOptions | None = None) -> list[Hypothesis]:
+    """The best hypothesis of each utterance (default SearchOptions(): greedy attention decoding)."""
+    return [nbest[0] for nbest in search_nbest(model, feats, feat_lens, options or SearchOptions())]

@@ -1,0 +1,205 @@
+"""Search against the model itself: beam 1 == greedy, batched == alone, scores == teacher-forced
+log-probabilities + length term + CTC part, the maximum length, the options."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asr.model import ASRModel, ModelConfig
+from asr.search import Hypothesis, SearchOptions, decode_memory, search, search_nbest, teacher_forced_scores
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread (on a busy machine, waking a second costs more than the math)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY = ModelConfig(vocab_size=12, n_mels=80, conv_channels=8, d_model=32, n_heads=4, ffn_dim=64,
+                   encoder_layers=1, decoder_layers=2, dropout=0.0)
+
+
+def tiny_model(seed: int = 0, *, vocab: int = 12, sharpness: float = 4.0, dtype=torch.float64) -> ASRModel:
+    """A random tiny model with peaked output distributions (scaled output layers), in eval mode."""
+    torch.manual_seed(seed)
+    model = ASRModel(dataclasses.replace(TINY, vocab_size=vocab)).eval()
+    with torch.no_grad():
+        model.decoder.output.weight.mul_(sharpness)
+        model.ctc.weight.mul_(sharpness)
+    return model.to(dtype)
+
+
+def random_memory(model: ASRModel, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoder output (B, T, d) in the model's dtype; frames past each length are random too,
+    so that anything reading padding shows."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    memory = torch.randn(len(lengths), max(lengths), model.config.d_model, generator=g, dtype=torch.float64)
+    return memory.to(dtype), torch.tensor(lengths)
+
+
+LENGTHS = [17, 9, 30, 4, 12]
+GREEDY = SearchOptions(mode="greedy")
+JOINT = SearchOptions(mode="attention", beam_size=4, ctc_weight=0.3, length_bonus=0.5, nbest=3)
+
+
+def test_beam_size_one_equals_greedy():
+    for seed in range(3):
+        model = tiny_model(seed)
+        memory, lens = random_memory(model, LENGTHS, seed)
+        greedy = decode_memory(model, memory, lens, GREEDY)
+        beam = decode_memory(model, memory, lens, SearchOptions(mode="attention", beam_size=1, ctc_weight=0.0))
+        for (g,), (b,) in zip(greedy, beam):
+            assert g.tokens == b.tokens
+            assert g.score == pytest.approx(b.score, abs=1e-5)
+
+
+@pytest.mark.parametrize("options", [
+    SearchOptions(mode="attention", beam_size=4, ctc_weight=0.0, nbest=4),
+    JOINT,
+    SearchOptions(mode="attention", beam_size=3, ctc_weight=1.0, length_bonus=-0.2),
+    SearchOptions(mode="ctc_rescore", beam_size=4, ctc_weight=0.4, nbest=2),
+    GREEDY,
+    SearchOptions(mode="ctc_greedy"),
+], ids=["beam", "joint", "ctc-only", "ctc_rescore", "greedy", "ctc_greedy"])
+def test_batched_equals_alone(options):
+    """Every utterance gets the same n-best (tokens and scores to 1e-4) alone and in a batch."""
+    model = tiny_model(1)
+    memory, lens = random_memory(model, LENGTHS, 1)
+    batched = decode_memory(model, memory, lens, options)
+    assert len(batched) == len(LENGTHS)
+    for b, n in enumerate(LENGTHS):
+        alone = decode_memory(model, memory[b:b + 1, :n], lens[b:b + 1], options)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batched[b]]
+        assert [h.score for h in alone] == pytest.approx([h.score for h in batched[b]], abs=1e-4)
+        assert 1 <= len(alone) <= options.nbest
+
+
+def attention_log_prob(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, b: int,
+                       tokens: tuple[int, ...]) -> float:
+    """log P_att(tokens, eos) of utterance b, teacher-forced."""
+    t = torch.tensor([[list(tokens)]], dtype=torch.long).view(1, 1, len(tokens))
+    return teacher_forced_scores(model, memory[b:b + 1], memory_lens[b:b + 1], t, torch.tensor([[len(tokens)]])).item()
+
+
+def ctc_log_prob(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, b: int,
+                 tokens: tuple[int, ...]) -> float:
+    """log P_ctc(output == tokens) of utterance b (torch's ctc_loss)."""
+    log_probs = model.ctc_log_probs(memory[b:b + 1]).transpose(0, 1)  # (T, 1, V)
+    nll = F.ctc_loss(log_probs, torch.tensor([list(tokens)]).view(1, -1), memory_lens[b:b + 1],
+                     torch.tensor([len(tokens)]), reduction="sum")
+    return -nll.item()
+
+
+def test_teacher_forced_scores_equal_the_decoder_forward():
+    model = tiny_model(2)
+    memory, lens = random_memory(model, [8, 5], 2)
+    tokens = torch.tensor([[[3, 4, -1], [5, -1, -1]], [[2, 2, 7], [-1, -1, -1]]])
+    lengths = torch.tensor([[2, 1], [3, 0]])
+    got = teacher_forced_scores(model, memory, lens, tokens, lengths)
+    eos = model.config.eos
+    for b in range(2):
+        for i in range(2):
+            y = tokens[b, i, : lengths[b, i]].tolist()
+            inputs = torch.tensor([[eos] + y])
+            log_probs = model.decoder(inputs, torch.tensor([len(y) + 1]), memory[b:b + 1], lens[b:b + 1])[0]
+            want = sum(log_probs[j, t].item() for j, t in enumerate(y + [eos]))
+            assert got[b, i].item() == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_hypothesis_score_is_attention_plus_ctc_plus_length_term(seed):
+    """score == (1 - w) * teacher-forced log P_att(y, eos) + w * log P_ctc(y) + bonus * len(y)."""
+    model = tiny_model(seed)
+    memory, lens = random_memory(model, LENGTHS, seed)
+    w, bonus = JOINT.ctc_weight, JOINT.length_bonus
+    checked = 0
+    for b, nbest in enumerate(decode_memory(model, memory, lens, JOINT)):
+        assert [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
+        assert len({h.tokens for h in nbest}) == len(nbest)
+        for h in nbest:
+            if len(h.tokens) == LENGTHS[b]:
+                continue  # cut at the maximum length: no eos, see test_a_model_that_never_ends...
+            want = ((1 - w) * attention_log_prob(model, memory, lens, b, h.tokens)
+                    + w * ctc_log_prob(model, memory, lens, b, h.tokens) + bonus * len(h.tokens))
+            assert h.score == pytest.approx(want, abs=1e-4, rel=1e-6), (b, h.tokens)
+            checked += 1
+    assert checked >= 8
+
+
+def test_ctc_rescore_score_is_attention_plus_ctc_beam_plus_length_term():
+    """ctc_rescore: the CTC part is the prefix beam's probability, at most the exact one, and equal
+    to it when no alignment was pruned (a beam of 64 holds every output of 3 tokens in 3 frames)."""
+    model = tiny_model(4, vocab=5)
+    for lengths, beam in (([3, 2], 64), ([12, 9], 3)):
+        memory, lens = random_memory(model, lengths, 4)
+        options = SearchOptions(mode="ctc_rescore", beam_size=beam, ctc_weight=0.5, length_bonus=0.3, nbest=3)
+        for b, nbest in enumerate(decode_memory(model, memory, lens, options)):
+            for h in nbest:
+                want = (0.5 * attention_log_prob(model, memory, lens, b, h.tokens)
+                        + 0.5 * ctc_log_prob(model, memory, lens, b, h.tokens) + 0.3 * len(h.tokens))
+                if beam == 64:
+                    assert h.score == pytest.approx(want, abs=1e-4)
+                else:
+                    assert h.score <= want + 1e-4
+
+
+def test_a_model_that_never_ends_stops_at_the_maximum_length():
+    """Hypotheses are cut at floor(max_len_ratio * frames) tokens, not charged for an eos: beam 1
+    still equals greedy, and the score is log P_att(y) + the length term."""
+    model = tiny_model(5)
+    with torch.no_grad():
+        model.decoder.output.bias[model.config.eos] = -1e4  # eos never wins
+    memory, lens = random_memory(model, LENGTHS, 5)
+    greedy = decode_memory(model, memory, lens, GREEDY)
+    beams = [SearchOptions(mode="attention", beam_size=1, ctc_weight=0.0),
+             SearchOptions(mode="attention", beam_size=3, ctc_weight=0.0),
+             SearchOptions(mode="attention", beam_size=3, max_len_ratio=0.5, length_bonus=1.0)]
+    for options in beams:
+        limits = [int(n * options.max_len_ratio) for n in LENGTHS]
+        for b, ((best, *_), limit) in enumerate(zip(decode_memory(model, memory, lens, options), limits)):
+            assert len(best.tokens) == limit
+            if options.ctc_weight == 0:
+                with_eos = attention_log_prob(model, memory, lens, b, best.tokens)
+                assert best.score > with_eos + 1e3  # no eos charged
+            if options.beam_size == 1:
+                assert (best.tokens, best.score) == (greedy[b][0].tokens, pytest.approx(greedy[b][0].score, abs=1e-5))
+    for mode in ("ctc_greedy", "ctc_rescore"):
+        options = SearchOptions(mode=mode, beam_size=3, max_len_ratio=0.2)
+        for (best, *_), n in zip(decode_memory(model, memory, lens, options), LENGTHS):
+            assert len(best.tokens) <= int(n * 0.2)
+
+
+def test_empty_encoder_output_gives_an_empty_hypothesis():
+    model = tiny_model(6)
+    memory, _ = random_memory(model, [5, 5], 6)
+    lens = torch.tensor([0, 5])
+    for mode in ("attention", "greedy", "ctc_greedy", "ctc_rescore"):
+        found = decode_memory(model, memory, lens, SearchOptions(mode=mode, beam_size=2))
+        assert found[0] == (Hypothesis((), 0.0),), mode
+
+
+def test_search_runs_the_encoder_and_defaults_to_greedy():
+    model = tiny_model(7)
+    g = torch.Generator().manual_seed(7)
+    feats = torch.randn(3, 60, 80, generator=g, dtype=torch.float64)
+    feat_lens = torch.tensor([60, 41, 25])
+    memory, memory_lens = model.encoder(feats, feat_lens)
+    best = search(model, feats, feat_lens)
+    assert best == [n[0] for n in decode_memory(model, memory, memory_lens, GREEDY)]
+    assert [n[0] for n in search_nbest(model, feats, feat_lens, JOINT)] == search(model, feats, feat_lens, JOINT)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mode", "beam"), ("beam_size", 0), ("ctc_weight", 1.5), ("max_len_ratio", 0.0), ("pre_beam_ratio", 0.5),
+    ("nbest", 11),
+])
+def test_options_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"decoding.{field} = "):
+        SearchOptions(**{field: value})
