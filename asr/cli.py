@@ -12,10 +12,6 @@ from pathlib import Path
 log = logging.getLogger("asr")
 
 
-class NotBuilt(Exception):
-    """A subcommand that is part of the interface but not implemented in this version."""
-
-
 # ---------------------------------------------------------------------------------------------
 # handlers
 
@@ -109,8 +105,33 @@ def cmd_average(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_built(args: argparse.Namespace) -> int:
-    raise NotBuilt(f"asr {args.command}: not built yet in this version of the toolkit")
+def cmd_decode(args: argparse.Namespace) -> int:
+    from asr.decode import decode_manifest, format_wer, load_decoding_config
+
+    config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
+                                  ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device)
+    wer = decode_manifest(args.model, args.manifest, args.out_dir, config)
+    print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt")
+    print(format_wer(wer))
+    return 0
+
+
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    from asr.api import format_results, load_model
+    from asr.audio import RawFormat
+
+    raw = None
+    if args.raw_rate:
+        raw = RawFormat(sample_rate=args.raw_rate, subtype=args.raw_format, channels=args.raw_channels)
+    recognizer = load_model(args.model, device=args.device or "auto")
+    results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, raw=raw)
+    sys.stdout.write(format_results(results, args.format))
+    failed = [r for r in results if r.error is not None]
+    for r in failed:
+        print(f"asr transcribe: error: {r.error}", file=sys.stderr)
+    if failed:
+        print(f"asr transcribe: {len(failed)} of {len(results)} inputs failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,15 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, metavar="B")
     p.add_argument("--device", metavar="D")
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value")
-    p.set_defaults(func=cmd_not_built)
+    p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("transcribe", help="transcribe audio files with a model file")
     p.add_argument("--model", required=True, metavar="MODEL.pt")
     p.add_argument("audio", nargs="+", metavar="AUDIO")
     p.add_argument("--format", choices=["txt", "json", "srt"], default="txt")
     p.add_argument("--beam-size", type=int, metavar="N")
-    p.add_argument("--device", metavar="D")
-    p.set_defaults(func=cmd_not_built)
+    p.add_argument("--mode", choices=["attention", "ctc_greedy", "ctc_rescore", "greedy"])
+    p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
+    p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",
+                   help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")
+    p.add_argument("--raw-channels", type=int, default=1, metavar="N", help="channels of raw input (default 1)")
+    p.set_defaults(func=cmd_transcribe)
 
     p = sub.add_parser("wer", help="word and character error rates of HYP against REF")
     p.add_argument("ref", metavar="REF", help="Kaldi-style 'ID WORDS' text file, or a manifest")
@@ -231,9 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except NotBuilt as e:
-        print(e, file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"asr {args.command}: interrupted", file=sys.stderr)
         return 130

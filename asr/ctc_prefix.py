@@ -106,21 +106,33 @@ class CTCPrefixScorer:
     def _extend(self, x: torch.Tensor, r: torch.Tensor, last: torch.Tensor, tokens: torch.Tensor,
                 length: int, group: int) -> torch.Tensor:
         """Forward variables (T, 2, R) of hypotheses (r (T, 2, R), last (R,), `length` tokens)
-        extended by `tokens` (R,): the recursion over frames, from frame `length` on."""
-        frames, _, rows = r.shape
-        x_c = _gather_tokens(x, tokens[:, None], group)[:, :, 0]  # (T, R)
-        x_b = x[:, :, self.blank].repeat_interleave(group, dim=1)  # (T, R)
-        emit = torch.stack([x_c, x_b], dim=1)  # (T, 2, R)
-        # z[t] = [phi, r_token, r_blank]: phi[t] = P(ready to emit the token at t + 1); the new
-        # forward variables of frame t are logaddexp(r_token[t-1], [phi[t-1], r_blank[t-1]]) + emit[t]
-        z = torch.full((frames, 3, rows), LOG_ZERO, dtype=r.dtype, device=r.device)
-        z[:, 0] = torch.logaddexp(r[:, 1], torch.where(tokens == last, LOG_ZERO, r[:, 0]))
-        if length == 0:
-            z[0, 1] = x_c[0]
-        for t in range(max(length, 1), frames):
-            torch.logaddexp(z[t - 1, 1:2].expand(2, rows), z[t - 1, 0::2], out=z[t, 1:])
-            z[t, 1:] += emit[t]
-        return z[:, 1:]
+        extended by `tokens` (R,).
+
+        The recursion over frames t (r_token[-1] = r_blank[-1] = log 0)
+            r_token[t] = logaddexp(r_token[t-1], phi[t-1]) + x_token[t]
+            r_blank[t] = logaddexp(r_token[t-1], r_blank[t-1]) + x_blank[t]
+        (phi[t]: log P(the hypothesis is emitted by frame t and the token may follow); phi[-1] =
+        log 1 for the empty hypothesis) is linear in probabilities, so it is solved for all frames
+        at once with cumulative sums: r[t] = X[t] + logcumsumexp_{s<=t}(input[s] - X[s-1]), X the
+        cumulative sum of the emissions, in float64 (X reaches thousands of nats)."""
+        x_c = _gather_tokens(x, tokens[:, None], group)[:, :, 0].double()  # (T, R)
+        x_b = x[:, :, self.blank].repeat_interleave(group, dim=1).double()  # (T, R)
+        r = r.double()
+        phi = torch.logaddexp(r[:, 1], torch.where(tokens == last, LOG_ZERO, r[:, 0]))  # (T, R)
+        r_token = _linear_recursion(_shift(phi, 0.0 if length == 0 else LOG_ZERO), x_c)
+        r_blank = _linear_recursion(_shift(r_token, float("-inf")), x_b)
+        return torch.stack([r_token, r_blank], dim=1).clamp(min=LOG_ZERO).to(x.dtype)
+
+
+def _shift(a: torch.Tensor, first: float) -> torch.Tensor:
+    """a (T, R) one frame later: [first, a[0], .., a[T-2]]."""
+    return torch.cat([a.new_full((1, a.size(1)), first), a[:-1]])
+
+
+def _linear_recursion(inputs: torch.Tensor, emissions: torch.Tensor) -> torch.Tensor:
+    """y (T, R) with y[t] = logaddexp(y[t-1], inputs[t]) + emissions[t], y[-1] = log 0."""
+    total = emissions.cumsum(dim=0)  # X[t]
+    return total + torch.logcumsumexp(inputs - _shift(total, 0.0), dim=0)
 
 
 def _gather_tokens(x: torch.Tensor, tokens: torch.Tensor, group: int) -> torch.Tensor:

@@ -167,10 +167,12 @@ class BeamSearch:
     def __call__(self, memory: torch.Tensor, memory_lens: torch.Tensor,
                  limits: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
         """n-best of each utterance; limits (B,) long: the most tokens each may get."""
-        run = _Running.start(self, memory, memory_lens, limits)
+        longest = int(limits.max())
+        run = _Running.start(self, memory, memory_lens, limits, longest)
         ended = _Ended(memory.size(0), self.beam, run.history.size(1), memory.device)
-        for t in range(int(limits.max()) + 1):
-            candidates, scores = self._expand(run, t)  # (R, C) each
+        excluded = torch.tensor(self.excluded, device=memory.device)
+        for t in range(longest + 1):
+            candidates, scores = self._expand(run, t, excluded)  # (R, C) each
             ended.add(run, candidates, scores, self.beam)
             best = self._best_running(scores)  # (B, N) each
             keep = self._staying(run, ended, best.values, t).nonzero()[:, 0]  # the step's host sync
@@ -179,12 +181,12 @@ class BeamSearch:
             run = self._advance(run, keep, best, candidates)
         return ended.hypotheses(self.nbest)
 
-    def _expand(self, run: _Running, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _expand(self, run: _Running, t: int, excluded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidates (R, C) (pre-beam tokens, eos last) and their total scores (R, C)."""
         full = {}
         for name, scorer in self.full.items():
             full[name], run.states[name] = scorer.score(run.states[name], run.last)  # (R, V)
-        pre = full[self.pre_beam].index_fill(1, torch.tensor(self.excluded, device=run.last.device), float("-inf"))
+        pre = full[self.pre_beam].index_fill(1, excluded, float("-inf"))
         tokens = pre.topk(self.pre_beam_size, dim=1).indices  # (R, K)
         candidates = torch.cat([tokens, tokens.new_full((tokens.size(0), 1), self.eos)], dim=1)  # (R, C)
         scores = run.scores[:, None] + sum(self.weights[name] * lp.gather(1, candidates) for name, lp in full.items())
@@ -244,7 +246,8 @@ class _Running:
     limits: torch.Tensor  # (B,) long, most tokens
 
     @staticmethod
-    def start(search: BeamSearch, memory: torch.Tensor, memory_lens: torch.Tensor, limits: torch.Tensor) -> _Running:
+    def start(search: BeamSearch, memory: torch.Tensor, memory_lens: torch.Tensor, limits: torch.Tensor,
+              longest: int) -> _Running:
         """The empty hypothesis, once per utterance: the N - 1 other rows start dead (-inf)."""
         batch, n = memory.size(0), search.beam
         states = {name: scorer.init_state(memory, memory_lens, n)
@@ -252,7 +255,7 @@ class _Running:
         scores = torch.full((batch, n), float("-inf"), device=memory.device)
         scores[:, 0] = 0.0
         last = torch.full((batch * n,), search.eos, dtype=torch.long, device=memory.device)  # sos = eos
-        history = torch.full((batch * n, max(int(limits.max()), 1)), -1, dtype=torch.long, device=memory.device)
+        history = torch.full((batch * n, max(longest, 1)), -1, dtype=torch.long, device=memory.device)
         return _Running(states, scores.flatten(), last, history, 0, torch.arange(batch, device=memory.device), limits)
 
 

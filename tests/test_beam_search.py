@@ -203,3 +203,15 @@ def test_search_runs_the_encoder_and_defaults_to_greedy():
 def test_options_are_validated(field, value):
     with pytest.raises(ValueError, match=f"decoding.{field} = "):
         SearchOptions(**{field: value})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["attention", "greedy", "ctc_rescore"])
+def test_cuda_equals_cpu(mode):
+    model = tiny_model(8, dtype=torch.float32)
+    memory, lens = random_memory(model, LENGTHS, 8)
+    options = dataclasses.replace(JOINT, mode=mode)
+    cpu = decode_memory(model, memory, lens, options)
+    cuda = decode_memory(model.cuda(), memory.cuda(), lens.cuda(), options)
+    assert [[h.tokens for h in n] for n in cpu] == [[h.tokens for h in n] for n in cuda]
+    assert [h.score for n in cpu for h in n] == pytest.approx([h.score for n in cuda for h in n], abs=1e-3)

@@ -62,20 +62,6 @@ def test_errors_are_one_line_and_nonzero(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and "missing.jsonl" in out.stderr
 
 
-NOT_BUILT = [("decode", "--model", "m.pt", "--manifest", "t.jsonl", "--out-dir", "d"),
-             ("transcribe", "--model", "m.pt", "a.wav")]
-
-
-@pytest.mark.parametrize("args", NOT_BUILT, ids=lambda a: a[0])
-def test_not_built_commands_exit_2(tmp_path, args):
-    from asr.cli import build_parser, cmd_not_built
-
-    if build_parser().parse_args(list(args)).func is not cmd_not_built:
-        pytest.skip(f"asr {args[0]} is built")
-    out = asr(*args, cwd=tmp_path)
-    assert out.returncode == 2 and "not built yet" in out.stderr
-
-
 def write_corpus(tmp_path, n=4):
     """A tiny Kaldi data dir and manifest of tones (real audio files, generated here)."""
     rng = np.random.default_rng(0)

@@ -1,0 +1,351 @@
+"""The Python API: load a model file, transcribe audio files and waveforms of any length.
+
+    import asr
+    model = asr.load_model("exp/synth/model_avg.pt", device="cpu")
+    for result in model.transcribe(["a.flac", "b.wav"], beam_size=10):
+        print(result.path, result.error or result.text)
+
+Every input is read block by block (asr.audio.iter_blocks), cut into segments at pauses
+(energy-based, at most `SegmentOptions.max_seconds` long, a tiny last piece joined to the one
+before), and the segments of all inputs are decoded in batches, so memory is bounded by the
+segment and batch sizes, never by the length of a recording. A segment too short or too quiet
+to hold speech gives "" without being decoded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, to_mono_16k
+from asr.checkpoint import CheckpointError, load_file
+from asr.config import from_dict
+from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
+from asr.model import ASRModel, ModelConfig
+from asr.search import Hypothesis, SearchOptions, decode_memory
+from asr.tokenizer import Tokenizer, tokenizer_from_dict
+
+__all__ = ["FORMATS", "Recognizer", "Result", "Segment", "SegmentOptions", "format_results", "load_model",
+           "resolve_device", "segment_audio"]
+
+FORMATS = ("txt", "json", "srt")
+FRAME = SAMPLE_RATE // 100  # 10 ms: the frame of the energy measure
+_INPUT_ERRORS = (AudioError, OSError, TypeError, ValueError)  # what a bad input raises
+
+AudioInput = str | os.PathLike | tuple[Any, int]  # a path, or (waveform, sample_rate)
+
+
+@dataclass(frozen=True)
+class SegmentOptions:
+    """How long inputs are cut (energy-based voice activity, no model)."""
+
+    max_seconds: float = 20.0  # longest segment decoded at once
+    min_seconds: float = 1.0  # no cut closer than this to a segment's start; a shorter last piece joins the previous
+    pause_db: float = 30.0  # frames this much quieter than the loud frames (95th percentile) are pauses
+    speech_db: float = -50.0  # dBFS: a segment whose loudest 10 ms frame is quieter holds no speech
+    block_seconds: float = 30.0  # audio read at a time
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_seconds < self.max_seconds:
+            raise ValueError(f"segmentation: need 0 < min_seconds ({self.min_seconds}) "
+                             f"< max_seconds ({self.max_seconds})")
+        if self.block_seconds <= 0 or self.pause_db <= 0:
+            raise ValueError("segmentation: block_seconds and pause_db must be positive")
+
+
+class Segment(NamedTuple):
+    """A decoded stretch of an input: seconds from its start, and its text."""
+
+    start: float
+    end: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """The transcript of one input. `error` (one line naming the input) when it could not be
+    read; the other fields are then empty."""
+
+    path: str | None  # None for a waveform given in memory
+    text: str
+    tokens: tuple[int, ...] = ()
+    score: float = 0.0  # sum of the segments' search scores
+    segments: tuple[Segment, ...] = ()
+    duration: float = 0.0  # seconds of audio
+    error: str | None = None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu; anything else as torch.device reads it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               options: SearchOptions | None = None) -> Recognizer:
+    """A Recognizer from a model file written by `asr train` / `asr average` (loaded with
+    weights_only=True; a file that is not a usable model raises CheckpointError naming it).
+    `options`: the default decoding of `transcribe` (default: beam search, beam 10, CTC weight 0.3)."""
+    obj = load_file(path)
+    source = os.fspath(path)
+    try:
+        config = from_dict(ModelConfig, obj["model"], source=source, prefix="model.")
+        features = from_dict(FeatureConfig, obj["frontend"]["features"], source=source, prefix="frontend.features.")
+        cmvn = GlobalCMVN(CMVNStats.from_dict(obj["frontend"]["cmvn"]))
+        tokenizer = tokenizer_from_dict(obj["tokenizer"])
+    except (KeyError, TypeError, ValueError) as e:
+        reason = f"missing {e}" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{source}: not a usable model file ({reason})") from None
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"{source}: a tokenizer of {tokenizer.vocab_size} tokens for a model of "
+                              f"{config.vocab_size}")
+    model = ASRModel(config)
+    try:
+        model.load_state_dict(obj["state_dict"])
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{source}: weights do not fit the model ({str(e).splitlines()[0][:200]})") from None
+    return Recognizer(model, tokenizer, features, cmvn, device=resolve_device(device), options=options)
+
+
+class Recognizer:
+    """A model with its frontend (fbank + CMVN) and tokenizer, ready to decode; eval mode."""
+
+    def __init__(self, model: ASRModel, tokenizer: Tokenizer, features: FeatureConfig, cmvn: GlobalCMVN, *,
+                 device: torch.device | None = None, options: SearchOptions | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.model = model.to(self.device).eval()
+        self.tokenizer, self.features, self.cmvn = tokenizer, features, cmvn.to(self.device)
+        self.options = options or SearchOptions(mode="attention")
+
+    def transcribe(
+        self,
+        audio: AudioInput | Sequence[AudioInput],
+        *,
+        mode: str | None = None,
+        beam_size: int | None = None,
+        ctc_weight: float | None = None,
+        length_bonus: float | None = None,
+        raw: RawFormat | None = None,
+        batch_size: int = 8,
+        segmentation: SegmentOptions | None = None,
+    ) -> list[Result]:
+        """One Result per input, in order. `audio`: a path, a (waveform, sample_rate) pair
+        (numpy or torch, (T,) or (T, C)), or a list of them. `raw` reads every path as headerless
+        PCM of that format. mode / beam_size / ctc_weight / length_bonus override this
+        recognizer's SearchOptions. Segments of all inputs (cut as `segmentation` says, default
+        SegmentOptions()) are decoded `batch_size` at a time.
+        An input that cannot be read gives a Result with `error` set; the others go on."""
+        segmentation = segmentation or SegmentOptions()
+        overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus}
+        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
+        inputs = _as_list(audio)
+        jobs = [_Job(os.fspath(item) if isinstance(item, (str, os.PathLike)) else None) for item in inputs]
+        batches = _Batches(self, options, jobs, batch_size)
+        for index, item in enumerate(inputs):
+            try:
+                for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds), segmentation):
+                    jobs[index].samples = start + wave.numel()
+                    batches.add(index, start, wave, _has_speech(wave, segmentation.speech_db))
+            except _INPUT_ERRORS as e:
+                jobs[index].error = str(e) if isinstance(e, AudioError) else f"{jobs[index].path or '<waveform>'}: {e}"
+                batches.drop(index)
+        batches.flush()
+        return [job.result() for job in jobs]
+
+    def feats(self, wave: torch.Tensor) -> torch.Tensor:
+        """(T,) 16 kHz waveform -> (frames, n_mels) normalized features on the device."""
+        return self.cmvn(fbank(wave.to(self.device), self.features))
+
+    @torch.no_grad()
+    def decode(self, feats: Sequence[torch.Tensor], options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+        """n-best of each of the utterances' features (T_i, n_mels); those too short for one
+        encoder frame get the empty hypothesis without decoding."""
+        out: list[tuple[Hypothesis, ...]] = [(Hypothesis((), 0.0),)] * len(feats)
+        minimum = self.model.encoder.subsampling.receptive_field
+        usable = [i for i, f in enumerate(feats) if f.size(0) >= minimum]
+        if usable:
+            lens = torch.tensor([feats[i].size(0) for i in usable], device=self.device)
+            padded = torch.nn.utils.rnn.pad_sequence([feats[i] for i in usable], batch_first=True)  # (B, T, D)
+            memory, memory_lens = self.model.encoder(padded, lens)
+            for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options)):
+                out[i] = nbest
+        return out
+
+    def text(self, tokens: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+
+@dataclass
+class _Job:
+    """What one input has given so far."""
+
+    path: str | None  # None: a waveform given in memory
+    samples: int = 0  # 16 kHz samples read
+    pieces: list[tuple[Segment, Hypothesis]] = field(default_factory=list)
+    error: str | None = None
+
+    def result(self) -> Result:
+        if self.error is not None:
+            return Result(self.path, "", error=self.error)
+        texts = [segment.text for segment, _ in self.pieces if segment.text]
+        tokens = tuple(t for _, hyp in self.pieces for t in hyp.tokens)
+        score = sum(hyp.score for _, hyp in self.pieces)
+        segments = tuple(segment for segment, _ in self.pieces)
+        return Result(self.path, " ".join(texts), tokens, score, segments, self.samples / SAMPLE_RATE)
+
+
+class _Batches:
+    """Segments waiting to be decoded, `size` at a time; results go to their jobs in order."""
+
+    def __init__(self, recognizer: Recognizer, options: SearchOptions, jobs: list[_Job], size: int) -> None:
+        if size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {size}")
+        self.recognizer, self.options, self.jobs, self.size = recognizer, options, jobs, size
+        self.waiting: list[tuple[int, int, int, torch.Tensor | None]] = []  # (job, start, samples, features)
+
+    def add(self, job: int, start: int, wave: torch.Tensor, speech: bool) -> None:
+        feats = self.recognizer.feats(wave) if speech else None  # no speech: "" without decoding
+        self.waiting.append((job, start, wave.numel(), feats))
+        if sum(f is not None for *_, f in self.waiting) >= self.size:
+            self.flush()
+
+    def drop(self, job: int) -> None:
+        self.waiting = [w for w in self.waiting if w[0] != job]
+
+    def flush(self) -> None:
+        decoded = iter(self.recognizer.decode([f for *_, f in self.waiting if f is not None], self.options))
+        for job, start, samples, feats in self.waiting:
+            hyp = next(decoded)[0] if feats is not None else Hypothesis((), 0.0)
+            text = self.recognizer.text(hyp.tokens)
+            segment = Segment(start / SAMPLE_RATE, (start + samples) / SAMPLE_RATE, text)
+            self.jobs[job].pieces.append((segment, hyp))
+        self.waiting = []
+
+
+def _as_list(audio: AudioInput | Sequence[AudioInput]) -> list[AudioInput]:
+    """A single input (a path, or a (waveform, rate) pair) -> [it]; a list stays a list."""
+    if isinstance(audio, (np.ndarray, torch.Tensor)):
+        raise TypeError("a waveform needs its sample rate: pass (waveform, sample_rate)")
+    if isinstance(audio, (str, os.PathLike)):
+        return [audio]
+    if isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, os.PathLike, tuple)):
+        return [audio]
+    return list(audio)
+
+
+def _blocks(item: AudioInput, raw: RawFormat | None, block_seconds: float) -> Iterator[torch.Tensor]:
+    """16 kHz mono float32 blocks of a path or of a (waveform, sample_rate) pair."""
+    if isinstance(item, (str, os.PathLike)):
+        yield from iter_blocks(item, block_seconds=block_seconds, raw=raw)
+        return
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], (int, np.integer))):
+        raise TypeError(f"expected a path or a (waveform, sample_rate) pair, got {type(item).__name__}")
+    wave = to_mono_16k(item[0], int(item[1]))
+    yield from wave.split(max(1, int(block_seconds * SAMPLE_RATE)))
+
+
+# ---------------------------------------------------------------------------------------------
+# segmentation
+
+
+def frame_db(wave: torch.Tensor) -> torch.Tensor:
+    """Energy (F,) in dBFS of the whole 10 ms frames of a (T,) waveform in [-1, 1]."""
+    frames = wave[: wave.numel() // FRAME * FRAME].view(-1, FRAME)
+    return 10.0 * torch.log10(frames.square().mean(dim=1) + 1e-10)
+
+
+def _has_speech(wave: torch.Tensor, speech_db: float) -> bool:
+    db = frame_db(wave)
+    return db.numel() > 0 and float(db.max()) >= speech_db
+
+
+def segment_audio(blocks: Iterable[torch.Tensor], options: SegmentOptions) -> Iterator[tuple[int, torch.Tensor]]:
+    """Consecutive segments (first sample, (T,) waveform) of the 16 kHz stream `blocks`.
+
+    Whenever max_seconds are buffered, a segment is cut at the middle of the longest pause that
+    starts at least min_seconds in (the quietest frame when there is no pause). A last piece
+    shorter than min_seconds joins the segment before it. Memory: max_seconds plus one block.
+    """
+    longest, shortest = int(options.max_seconds * SAMPLE_RATE), int(options.min_seconds * SAMPLE_RATE)
+    buffer, offset = torch.zeros(0), 0  # offset: first sample of the buffer
+    held: tuple[int, torch.Tensor] | None = None  # the last segment, until we know no tiny piece follows
+    for block in blocks:
+        buffer = torch.cat([buffer, block])
+        while buffer.numel() >= longest:
+            cut = _cut_point(buffer[:longest], shortest, options.pause_db)
+            if held is not None:
+                yield held
+            held, buffer, offset = (offset, buffer[:cut]), buffer[cut:], offset + cut
+    if held is not None and 0 < buffer.numel() < shortest:
+        held = (held[0], torch.cat([held[1], buffer]))
+    elif buffer.numel():
+        if held is not None:
+            yield held
+        held = (offset, buffer)
+    if held is not None:
+        yield held
+
+
+def _cut_point(window: torch.Tensor, shortest: int, pause_db: float) -> int:
+    """Sample where a segment beginning `window` ends: the middle of the longest run of pause
+    frames after `shortest` samples (the latest of equal runs), else the quietest frame there."""
+    db = frame_db(window)  # (F,)
+    first = -(-shortest // FRAME)  # first frame allowed
+    quiet = db < torch.quantile(db, 0.95) - pause_db
+    quiet[:first] = False
+    if not bool(quiet.any()):
+        return (first + int(db[first:].argmin())) * FRAME
+    edges = torch.diff(torch.cat([quiet.new_zeros(1), quiet, quiet.new_zeros(1)]).int())  # +1 run starts, -1 ends
+    starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
+    best = int(((ends - starts) * db.numel() + starts).argmax())  # longest run; among equals the latest
+    return int(starts[best] + ends[best]) // 2 * FRAME
+
+
+# ---------------------------------------------------------------------------------------------
+# output formats
+
+
+def format_results(results: Sequence[Result], fmt: str) -> str:
+    """Results as text: "txt" (the transcript; "path<TAB>transcript" lines for several inputs),
+    "json" (a list of objects with path, text, duration, score, segments, error) or "srt"
+    (subtitles of the segments; "==> path <==" before each input's when there are several).
+    Inputs with an error are left out of txt and srt (report them separately)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    if fmt == "json":
+        return json.dumps([_json(r) for r in results], indent=2, ensure_ascii=False) + "\n"
+    good = [r for r in results if r.error is None]
+    several = len(results) > 1
+    if fmt == "txt":
+        return "".join(f"{r.path or '<waveform>'}\t{r.text}\n" if several else f"{r.text}\n" for r in good)
+    return "\n".join((f"==> {r.path or '<waveform>'} <==\n" if several else "") + _srt(r) for r in good)
+
+
+def _json(r: Result) -> dict[str, Any]:
+    return {
+        "path": r.path, "text": r.text, "duration": round(r.duration, 3),
+        "score": r.score if math.isfinite(r.score) else None,
+        "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text} for s in r.segments],
+        "error": r.error,
+    }
+
+
+def _srt(r: Result) -> str:
+    spoken = [s for s in r.segments if s.text]
+    return "".join(f"{i}\n{_srt_time(s.start)} --> {_srt_time(s.end)}\n{s.text}\n\n" for i, s in enumerate(spoken, 1))
+
+
+def _srt_time(seconds: float) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"

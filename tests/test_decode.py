@@ -1,0 +1,149 @@
+"""`asr decode` as a library call: the files of the contract, resuming, the decoding configs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+import torch
+from test_api import speechlike, write_model_file
+
+import asr.decode
+from asr.config import ConfigError
+from asr.data import ManifestError
+from asr.decode import JOURNAL, DecodingConfig, decode_manifest, duration_batches, format_wer, load_decoding_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "decode"
+FAST = DecodingConfig(beam_size=4, batch_size=2, num_workers=0, device="cpu")
+WER_KEYS = {"wer", "cer", "substitutions", "deletions", "insertions", "words", "utterances", "skipped"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """(model file, manifest of 6 utterances: 5 readable, 1 missing), listed out of id order."""
+    folder = tmp_path_factory.mktemp("corpus")
+    lines = []
+    for i, seconds in enumerate([1.2, 2.5, 0.7, 1.9, 3.1]):
+        sf.write(folder / f"u{i}.wav", speechlike(seconds, i), 16000)
+        lines.append({"id": f"utt{4 - i}", "audio": f"u{i}.wav", "duration": seconds, "text": f"ab c{i} d"})
+    lines.append({"id": "utt9", "audio": "gone.wav", "duration": 1.0, "text": "LOST WORDS"})
+    manifest = folder / "test.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return write_model_file(folder / "model.pt"), manifest
+
+
+def read_table(path: Path) -> list[tuple[str, str]]:
+    return [tuple((line.split(" ", 1) + [""])[:2]) for line in path.read_text().splitlines()]
+
+
+def test_decode_writes_the_files_of_the_contract(corpus, tmp_path, capsys):
+    model, manifest = corpus
+    wer = decode_manifest(model, manifest, tmp_path / "dec", FAST)
+    out = tmp_path / "dec"
+    assert json.loads((out / "wer.json").read_text()) == wer
+    assert WER_KEYS <= set(wer) and wer["utterances"] == 6 and wer["skipped"] == 1
+    assert wer["words"] == 5 * 3 + 2 and wer["deletions"] >= 2  # the missing file: all deletions
+    refs, hyps = read_table(out / "ref.txt"), read_table(out / "hyp.txt")
+    ids = ["utt0", "utt1", "utt2", "utt3", "utt4", "utt9"]
+    assert [i for i, _ in refs] == [i for i, _ in hyps] == ids
+    assert refs[0] == ("utt0", "AB C4 D") and hyps[-1] == ("utt9", "")
+    assert "WER" in (out / "errors.txt").read_text() and "utt9" in (out / "errors.txt").read_text()
+    assert "real-time factor" in capsys.readouterr().err
+    assert format_wer(wer).startswith("WER ") and "1 skipped" in format_wer(wer)
+
+
+def test_an_interrupted_decode_resumes_where_it_stopped(corpus, tmp_path, monkeypatch, capsys):
+    model, manifest = corpus
+    decode_manifest(model, manifest, tmp_path / "fresh", FAST)
+    decoded: list[str] = []
+    original = asr.decode._decode_batch
+
+    def interrupted(recognizer, batch, options):
+        if decoded:
+            raise KeyboardInterrupt
+        decoded.extend(batch.ids)
+        return original(recognizer, batch, options)
+
+    monkeypatch.setattr(asr.decode, "_decode_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        decode_manifest(model, manifest, tmp_path / "dec", FAST)
+    assert len(decoded) == 2 and not (tmp_path / "dec" / "wer.json").exists()
+    with open(tmp_path / "dec" / JOURNAL, "a") as f:
+        f.write('{"id": "utt0", "te')  # a line cut short by the interruption
+
+    def counting(recognizer, batch, options):
+        decoded.extend(batch.ids)
+        return original(recognizer, batch, options)
+
+    monkeypatch.setattr(asr.decode, "_decode_batch", counting)
+    wer = decode_manifest(model, manifest, tmp_path / "dec", FAST)
+    assert "resuming, 2 of 6" in capsys.readouterr().err
+    assert len(decoded) == 5 and len(set(decoded)) == 5  # the 3 readable others, none twice
+    for name in ("hyp.txt", "ref.txt", "wer.json", "errors.txt"):
+        assert (tmp_path / "dec" / name).read_text() == (tmp_path / "fresh" / name).read_text(), name
+    assert wer["utterances"] == 6
+    decoded.clear()
+    decode_manifest(model, manifest, tmp_path / "dec", FAST)  # all done: nothing decoded again
+    assert decoded == []
+    decode_manifest(model, manifest, tmp_path / "dec", DecodingConfig(mode="greedy", num_workers=0))
+    assert "other settings" in capsys.readouterr().err and len(decoded) == 5
+
+
+@pytest.mark.parametrize("mode", ["greedy", "ctc_greedy", "ctc_rescore"])
+def test_every_mode_decodes(corpus, tmp_path, mode):
+    model, manifest = corpus
+    config = DecodingConfig(mode=mode, beam_size=3, nbest=2 if mode == "ctc_rescore" else 1, num_workers=0)
+    wer = decode_manifest(model, manifest, tmp_path, config)
+    assert wer["utterances"] == 6 and wer["decoding"]["mode"] == mode
+    records = [json.loads(line) for line in (tmp_path / JOURNAL).read_text().splitlines()[1:]]
+    assert len(records) == 6 and all(len(r.get("nbest", [0, 0])) == 2 for r in records if not r.get("skipped"))
+
+
+def test_a_broken_manifest_fails_before_decoding(corpus, tmp_path):
+    model, manifest = corpus
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join(manifest.read_text().splitlines(keepends=True)[:2]) + '{"id": "x", "audio": \n')
+    with pytest.raises(ManifestError, match=":3: "):
+        decode_manifest(model, broken, tmp_path / "dec", FAST)
+    assert not (tmp_path / "dec").exists()
+
+
+def test_decoding_configs(tmp_path):
+    presets = {p.stem: load_decoding_config(str(p)) for p in sorted(CONF.glob("*.yaml"))}
+    assert {"default", "greedy", "ctc_greedy", "ctc_rescore"} <= set(presets)
+    default = DecodingConfig()
+    assert presets["default"] == default
+    assert (default.mode, default.beam_size, default.ctc_weight) == ("attention", 10, 0.3)
+    config = load_decoding_config(str(CONF / "default.yaml"), ["decoding.beam_size=4", "decoding.length_bonus=0.5"],
+                                  mode="ctc_rescore", beam_size=None, ctc_weight=0.5, batch_size=None, device="cpu")
+    assert (config.mode, config.beam_size, config.length_bonus, config.ctc_weight, config.device) == \
+        ("ctc_rescore", 4, 0.5, 0.5, "cpu")
+    assert config.search_options().beam_size == 4
+    with pytest.raises(ConfigError, match="decoding.key=value"):
+        load_decoding_config(None, ["beam_size=4"])
+    with pytest.raises(ConfigError, match="unknown key 'beams'"):
+        load_decoding_config(None, ["decoding.beams=4"])
+    with pytest.raises(ConfigError, match="decoding.beam_size = 0"):
+        load_decoding_config(None, [], beam_size=0)
+    (tmp_path / "bad.yaml").write_text("mode: fast\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*decoding.mode = 'fast'"):
+        load_decoding_config(str(tmp_path / "bad.yaml"))
+
+
+def test_duration_batches():
+    durations = [3.0, 10.0, 1.0, 2.0, 9.0, 2.5, 30.0]
+    batches = duration_batches(durations, 3, 20.0)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    assert batches[0] == [6]  # longer than the cap: alone
+    for b in batches:
+        assert len(b) <= 3 and (len(b) == 1 or max(durations[i] for i in b) * len(b) <= 20.0)
+        assert [durations[i] for i in b] == sorted((durations[i] for i in b), reverse=True)
