@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The built-in recipe: synthesize a corpus with eSpeak NG, train a small transformer on a CPU,
+# average, decode the test set (unseen sentences and unseen accents) and score it.
+#
+#   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
+#                             [--num-train N] [--config conf/synth.yaml] [section.key=value ...]
+#
+# Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
+#   0 synthesize train/dev/test    1 tokenizer (characters)   2 CMVN statistics
+#   3 train                        4 average checkpoints      5 decode the test set
+#   6 results table and a transcription of one test file
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+
+stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=3000; num_dev=200; num_test=400
+config=$root/conf/synth.yaml; overrides=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --stage) stage=$2; force_from=$2; shift 2;;
+    --stop-stage) stop_stage=$2; shift 2;;
+    --name) name=$2; shift 2;;
+    --text) text=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2;;
+    --num-train) num_train=$2; shift 2;;
+    --config) config=$2; shift 2;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    *=*) overrides+=("$1"); shift;;
+    *) echo "run.sh: unknown option $1" >&2; exit 2;;
+  esac
+done
+
+. "$root/tools/env.sh"
+cd "$here"
+data=data; exp=exp/$name
+mkdir -p "$exp"
+log=$exp/run.log
+say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
+# stage N: run it when N is selected and (re-run asked from N or its output is missing)
+want() { [ "$1" -ge "$stage" ] && [ "$1" -le "$stop_stage" ]; }
+done_marker() { echo "$exp/.done-stage$1"; }
+run_stage() {  # run_stage N description command...
+  local n=$1 what=$2; shift 2
+  want "$n" || return 0
+  if [ -f "$(done_marker "$n")" ] && [ "$n" -lt "$force_from" ]; then
+    say "stage $n ($what): done before, skipped"; return 0
+  fi
+  say "stage $n: $what"
+  force_from=$(( force_from < n + 1 ? force_from : n + 1 ))  # what follows a rerun stage reruns too
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$log"
+  touch "$(done_marker "$n")"
+  say "stage $n took $((SECONDS - t0)) s"
+}
+
+text_args=(); [ -n "$text" ] && text_args=(--text "$text")
+run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
+  python local/synthesize.py --out-dir $data --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
+  "${text_args[@]}"
+run_stage 1 "character tokenizer" asr tokenizer --manifest $data/train.jsonl --kind char --out $data/lang_char
+run_stage 2 "CMVN statistics" asr cmvn --manifest $data/train.jsonl --out $data/cmvn.json
+run_stage 3 "train $(basename "$config")" \
+  asr train --config "$config" --train $data/train.jsonl --valid $data/dev.jsonl --exp-dir "$exp" \
+  --tokenizer $data/lang_char --cmvn $data/cmvn.json "${overrides[@]}"
+run_stage 4 "average the best checkpoints" asr average --exp-dir "$exp" --by best --num 5
+run_stage 5 "decode the test set (beam search, CTC weight 0.3)" \
+  asr decode --model "$exp/model_avg.pt" --manifest $data/test.jsonl --out-dir "$exp/decode_test" \
+  --config "$root/conf/decode/default.yaml"
+results() {
+  python - "$exp/decode_test/wer.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"| test set (unseen sentences and accents) | utterances {r['utterances']} | words {r['words']} "
+      f"| WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
+PY
+  first=$(head -1 $data/test.jsonl | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
+  echo "transcribing ${first%% |*} (reference: ${first#*| })"
+  asr transcribe --model "$exp/model_avg.pt" "$data/${first%% |*}"
+}
+run_stage 6 "results" results
