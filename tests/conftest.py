@@ -24,6 +24,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread: on a busy 2-core machine OpenMP threads spin."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def realspeech() -> Path:
     """../shared/realspeech beside the checkout: real recordings for preparation tests."""

@@ -25,12 +25,7 @@ from asr.tokenizer import CharTokenizer
 TOKENS = list("ABCDEFGH ")  # V = 12, the tiny model's vocabulary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def speechlike(seconds: float, seed: int = 0, *, pauses: bool = True) -> np.ndarray:

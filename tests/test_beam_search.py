@@ -11,14 +11,7 @@ import torch.nn.functional as F
 from asr.model import ASRModel, ModelConfig
 from asr.search import Hypothesis, SearchOptions, decode_memory, search, search_nbest, teacher_forced_scores
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread (on a busy machine, waking a second costs more than the math)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 TINY = ModelConfig(vocab_size=12, n_mels=80, conv_channels=8, d_model=32, n_heads=4, ffn_dim=64,

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
-import torch
 from test_api import speechlike, write_model_file
 
 import asr.decode
@@ -19,12 +18,7 @@ FAST = DecodingConfig(beam_size=4, batch_size=2, num_workers=0, device="cpu")
 WER_KEYS = {"wer", "cer", "substitutions", "deletions", "insertions", "words", "utterances", "skipped"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

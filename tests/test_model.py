@@ -29,13 +29,7 @@ SMALL = ModelConfig(vocab_size=13, n_mels=16, conv_channels=8, d_model=32, n_hea
                     encoder_layers=2, decoder_layers=2, dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread (OpenMP threads spin badly on a busy CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def small_model(seed: int = 0, **changes) -> ASRModel:
