@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# GPU check of the trainer's step (issue 4): bf16 training of conf/librispeech_100h.yaml on
+# synthetic batches; prints steps/s, audio-seconds/s, peak GPU memory and MFU. See
+# tools/gpu_check.py for what is measured and for the options.
+#
+#   bash tools/gpu_check.sh [--compile] [--batch-seconds S ...] [--steps N] [--out FILE]
+#   bash tools/gpu_check.sh --device cpu --config conf/tiny.yaml --warmup 1 --steps 2   # dry run
+#
+# Needs a python (PYTHON, default python3) with torch and pyyaml; nothing is installed: the
+# repository goes on PYTHONPATH. Exit status 2 when there is no CUDA device.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv,noheader || true
+fi
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/tools/gpu_check.py" "$@"
