@@ -203,3 +203,17 @@ def test_every_config_loads_whole(path):
 
     config = load_experiment_config(str(path), [])
     assert config.training.epochs > 0 and config.data.max_batch_seconds > 0
+
+
+def test_early_stopping_and_checkpoint_retention(tmp_path):
+    manifest = make_corpus(tmp_path / "data", n=2)
+    exp = tmp_path / "exp"
+    # lr 0: the validation loss never improves, so patience 2 stops after epoch 3 of 10.
+    out = asr_train(manifest, exp, "training.epochs=10", "training.lr=0.0", "training.patience=2",
+                    "training.keep_last=1", "training.keep_best=1", "data.num_workers=0", "training.valid_decode_utts=0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no better validation loss for 2 epochs" in out.stderr
+    valid = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in valid if r["kind"] == "valid"] == [1, 2, 3]
+    kept = sorted(p.name for p in (exp / "checkpoints").glob("ckpt-*.pt"))
+    assert kept == ["ckpt-00000001.pt", "ckpt-00000003.pt"]  # the best (first) and the last
