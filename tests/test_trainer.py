@@ -210,7 +210,8 @@ def test_early_stopping_and_checkpoint_retention(tmp_path):
     exp = tmp_path / "exp"
     # lr 0: the validation loss never improves, so patience 2 stops after epoch 3 of 10.
     out = asr_train(manifest, exp, "training.epochs=10", "training.lr=0.0", "training.patience=2",
-                    "training.keep_last=1", "training.keep_best=1", "data.num_workers=0", "training.valid_decode_utts=0")
+                    "training.keep_last=1", "training.keep_best=1", "data.num_workers=0",
+                    "training.valid_decode_utts=0")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no better validation loss for 2 epochs" in out.stderr
     valid = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
