@@ -9,9 +9,6 @@ import sys
 import traceback
 from pathlib import Path
 
-log = logging.getLogger("asr")
-
-
 # ---------------------------------------------------------------------------------------------
 # handlers
 

@@ -25,16 +25,11 @@ from asr.model import (
 from asr.model.subsampling import RATES, right_context
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-SMALL = ModelConfig(vocab_size=13, n_mels=16, conv_channels=8, d_model=32, n_heads=4, ffn_dim=64,
-                    encoder_layers=2, decoder_layers=2, dropout=0.0)
 
+
+from small_models import SMALL, small_model  # noqa: E402 (tests/)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def small_model(seed: int = 0, **changes) -> ASRModel:
-    torch.manual_seed(seed)
-    return ASRModel(dataclasses.replace(SMALL, **changes)).eval()
 
 
 def random_targets(lengths: list[int], vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

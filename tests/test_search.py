@@ -6,20 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from small_models import SMALL, small_model
 
-from asr.model import ASRModel, ModelConfig
+from asr.model import ASRModel
 from asr.search import Hypothesis, SearchOptions, attention_greedy, ctc_greedy, max_lengths, search
 
-SMALL = ModelConfig(vocab_size=13, n_mels=16, conv_channels=8, d_model=32, n_heads=4, ffn_dim=64,
-                    encoder_layers=2, decoder_layers=2, dropout=0.0)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def small_model(seed: int = 0, **changes) -> ASRModel:
-    torch.manual_seed(seed)
-    return ASRModel(dataclasses.replace(SMALL, **changes)).eval()
 
 
 def eos_after(model: ASRModel, bias: float) -> None:
