@@ -1,0 +1,66 @@
+"""The LibriSpeech recipe end to end on the real LibriSpeech utterances of ../shared/realspeech,
+packed as official-looking archives in a local mirror: every stage with conf/tiny.yaml, then a
+rerun that skips every stage."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "recipes" / "librispeech" / "run.sh"
+OFFICIAL = ("dev-clean", "dev-other", "test-clean", "test-other", "train-clean-100", "train-clean-360",
+            "train-other-500")
+# tiny.yaml with BPE and a few optimizer steps: the pipeline, not a model
+OVERRIDES = ["tokenizer.kind=bpe", "tokenizer.vocab_size=200", "training.epochs=1", "training.max_steps=8",
+             "training.valid_decode_utts=2"]
+
+
+def pack_mirror(realspeech: Path, mirror: Path) -> list[str]:
+    """<part>.tar.gz (top folder LibriSpeech/) + md5sum.txt for each part present; returns the parts."""
+    mirror.mkdir()
+    parts = [p for p in OFFICIAL if (realspeech / "LibriSpeech" / p).is_dir()]
+    sums = []
+    for part in parts:
+        archive = mirror / f"{part}.tar.gz"
+        with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+            tar.add(realspeech / "LibriSpeech" / part, arcname=f"LibriSpeech/{part}")
+        sums.append(f"{hashlib.md5(archive.read_bytes()).hexdigest()}  {archive.name}\n")
+    (mirror / "md5sum.txt").write_text("".join(sums))
+    return parts
+
+
+@pytest.mark.slow
+def test_every_stage_then_a_rerun_skips_them(realspeech, tmp_path):
+    parts = pack_mirror(realspeech, tmp_path / "mirror")
+    assert any(p.startswith("train-") for p in parts) and any(p.startswith("dev-") for p in parts)
+    data, exp = tmp_path / "data", tmp_path / "exp"
+    cmd = ["bash", str(RUN), "--config", str(ROOT / "conf" / "tiny.yaml"), "--mirror", str(tmp_path / "mirror"),
+           "--parts", ",".join(parts), "--data-dir", str(data), "--exp-dir", str(exp), "--beam-size", "4",
+           "--average-num", "2", *OVERRIDES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for n in range(8):
+        assert f"stage {n} took" in first.stdout
+
+    sets = [p for p in parts if p.startswith(("dev-", "test-"))]
+    rows = [line for line in (exp / "RESULTS.md").read_text().splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == sets
+    for name in sets:
+        wer = json.loads((exp / "decode_default_beam4" / name / "wer.json").read_text())
+        assert wer["utterances"] > 0 and wer["skipped"] == 0
+    manifests = data / f"{'+'.join(parts)}_sp"
+    train_ids = [json.loads(line)["id"] for line in (manifests / "train.jsonl").read_text().splitlines()]
+    assert sum(i.startswith("sp0.9-") for i in train_ids) == sum(i.startswith("sp1.1-") for i in train_ids) > 0
+    assert (exp / "model_avg.pt").is_file() and "stage 7" in (exp / "run.log").read_text()
+
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("done before, skipped") == 8
+    assert " took " not in again.stdout
