@@ -3,10 +3,11 @@
 # average, decode the test set (unseen sentences and unseen accents) and score it.
 #
 #   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
-#                             [--num-train N] [--config conf/synth.yaml] [section.key=value ...]
+#                             [--num-train N] [--num-dev N] [--num-test N] [--config conf/synth.yaml]
+#                             [--data-dir DIR] [--exp-dir DIR] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
-#   0 synthesize train/dev/test    1 tokenizer (characters)   2 CMVN statistics
+#   0 synthesize train/dev/test    1 tokenizer (the config's)  2 CMVN statistics
 #   3 train                        4 average checkpoints      5 decode the test set
 #   6 results table and a transcription of one test file
 set -euo pipefail
@@ -14,16 +15,21 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=3000; num_dev=200; num_test=400
-config=$root/conf/synth.yaml; overrides=()
+config=$root/conf/synth.yaml; overrides=(); data=data; exp=""
+abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
   case $1 in
     --stage) stage=$2; force_from=$2; shift 2;;
     --stop-stage) stop_stage=$2; shift 2;;
     --name) name=$2; shift 2;;
-    --text) text=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2;;
+    --text) text=$(abspath "$2"); shift 2;;
     --num-train) num_train=$2; shift 2;;
-    --config) config=$2; shift 2;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    --num-dev) num_dev=$2; shift 2;;
+    --num-test) num_test=$2; shift 2;;
+    --config) config=$(abspath "$2"); shift 2;;
+    --data-dir) data=$(abspath "$2"); shift 2;;
+    --exp-dir) exp=$(abspath "$2"); shift 2;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
   esac
@@ -31,7 +37,7 @@ done
 
 . "$root/tools/env.sh"
 cd "$here"
-data=data; exp=exp/$name
+exp=${exp:-exp/$name}
 mkdir -p "$exp"
 log=$exp/run.log
 say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
@@ -54,16 +60,26 @@ run_stage() {  # run_stage N description command...
 
 text_args=(); [ -n "$text" ] && text_args=(--text "$text")
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
-  python local/synthesize.py --out-dir $data --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
+  python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
   "${text_args[@]}"
-run_stage 1 "character tokenizer" asr tokenizer --manifest $data/train.jsonl --kind char --out $data/lang_char
-run_stage 2 "CMVN statistics" asr cmvn --manifest $data/train.jsonl --out $data/cmvn.json
+# the tokenizer the config asks for (kind and size, after the overrides), named after them
+read -r kind vocab < <(python -c '
+import sys
+from asr.trainer import load_experiment_config
+t = load_experiment_config(sys.argv[1], sys.argv[2:]).tokenizer
+print(t.kind, t.vocab_size if t.kind != "char" else "-")' "$config" "${overrides[@]}") || true
+[ -n "${kind:-}" ] || { echo "run.sh: cannot read the tokenizer section of $config" >&2; exit 1; }
+lang=$data/lang_$kind; size_args=()
+[ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
+run_stage 1 "tokenizer ($kind${size_args:+ $vocab})" \
+  asr tokenizer --manifest "$data/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$lang"
+run_stage 2 "CMVN statistics" asr cmvn --manifest "$data/train.jsonl" --out "$data/cmvn.json"
 run_stage 3 "train $(basename "$config")" \
-  asr train --config "$config" --train $data/train.jsonl --valid $data/dev.jsonl --exp-dir "$exp" \
-  --tokenizer $data/lang_char --cmvn $data/cmvn.json "${overrides[@]}"
+  asr train --config "$config" --train "$data/train.jsonl" --valid "$data/dev.jsonl" --exp-dir "$exp" \
+  --tokenizer "$lang" --cmvn "$data/cmvn.json" "${overrides[@]}"
 run_stage 4 "average the best checkpoints" asr average --exp-dir "$exp" --by best --num 5
 run_stage 5 "decode the test set (beam search, CTC weight 0.3)" \
-  asr decode --model "$exp/model_avg.pt" --manifest $data/test.jsonl --out-dir "$exp/decode_test" \
+  asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
   --config "$root/conf/decode/default.yaml"
 results() {
   python - "$exp/decode_test/wer.json" <<'PY'
@@ -72,8 +88,9 @@ r = json.load(open(sys.argv[1]))
 print(f"| test set (unseen sentences and accents) | utterances {r['utterances']} | words {r['words']} "
       f"| WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
 PY
-  first=$(head -1 $data/test.jsonl | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
+  first=$(head -1 "$data/test.jsonl" | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
   echo "transcribing ${first%% |*} (reference: ${first#*| })"
   asr transcribe --model "$exp/model_avg.pt" "$data/${first%% |*}"
 }
 run_stage 6 "results" results
+say "finished: stages $stage-$((stop_stage < 6 ? stop_stage : 6)) in $SECONDS s"
