@@ -105,17 +105,36 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
         cmvn = GlobalCMVN(CMVNStats.from_dict(obj["frontend"]["cmvn"]))
         tokenizer = tokenizer_from_dict(obj["tokenizer"])
     except (KeyError, TypeError, ValueError) as e:
-        reason = f"missing {e}" if isinstance(e, KeyError) else str(e)
+        reason = f"missing {e}" if isinstance(e, KeyError) else str(e).removeprefix(f"{source}: ")
         raise CheckpointError(f"{source}: not a usable model file ({reason})") from None
     if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(f"{source}: a tokenizer of {tokenizer.vocab_size} tokens for a model of "
                               f"{config.vocab_size}")
-    model = ASRModel(config)
+    if not features.n_mels == config.n_mels == cmvn.mean.numel():
+        raise CheckpointError(f"{source}: {features.n_mels} mel bins in the frontend, {cmvn.mean.numel()} in its "
+                              f"CMVN statistics, {config.n_mels} in the model")
+    return Recognizer(_model(config, obj["state_dict"], source), tokenizer, features, cmvn,
+                      device=resolve_device(device), options=options)
+
+
+def _model(config: ModelConfig, state_dict: Any, source: str) -> ASRModel:
+    """The model of `config` with the file's weights. A config asking for more layers than the
+    file has tensors, or for more memory than there is, is refused before or while building."""
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise CheckpointError(f"{source}: not a usable model file (state_dict is not a dict of tensors)")
+    if config.encoder_layers + config.decoder_layers > len(state_dict):
+        raise CheckpointError(f"{source}: the config's {config.encoder_layers} + {config.decoder_layers} layers "
+                              f"cannot fit in {len(state_dict)} weight tensors")
     try:
-        model.load_state_dict(obj["state_dict"])
+        model = ASRModel(config)
+    except (RuntimeError, MemoryError) as e:  # sizes a crafted config may ask for
+        reason = " ".join(str(e).split())[:160]
+        raise CheckpointError(f"{source}: the model's config cannot be built ({reason})") from None
+    try:
+        model.load_state_dict(state_dict)
     except (KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{source}: weights do not fit the model ({str(e).splitlines()[0][:200]})") from None
-    return Recognizer(model, tokenizer, features, cmvn, device=resolve_device(device), options=options)
+        raise CheckpointError(f"{source}: weights do not fit the model ({' '.join(str(e).split())[:200]})") from None
+    return model
 
 
 class Recognizer:

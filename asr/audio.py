@@ -25,6 +25,7 @@ __all__ = [
     "AudioInfo",
     "RawFormat",
     "audio_info",
+    "check_speed",
     "iter_blocks",
     "load_audio",
     "resample",
@@ -44,6 +45,13 @@ _UNKNOWN_FRAMES = 2**62
 # A WAV data size from here up is a streaming writer's "length unknown", not a promise.
 _RIFF_UNKNOWN_SIZE = 0x7FFFF000
 _MAX_CHANNELS = 64  # more "channels" than this in a (T, C) array means a (C, T) array
+_MIN_RATE = 4000  # Hz: a lower rate cannot hold the speech band (and would be inflated 4x or more)
+# Elements of a resampling filter (64 MB of float32) beyond which a rate pair is refused: rates with
+# no large common divisor (16001 Hz: a 16000 x 16013 filter, a gigabyte and a minute per file).
+_MAX_FILTER = 2**24
+# Samples (all channels) decoded per read: memory follows the data that is there, not a length the
+# header only claims.
+_READ_SAMPLES = 2**22
 _RAW_SAMPLE_BYTES = {
     "PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4,
     "FLOAT": 4, "DOUBLE": 8, "ULAW": 1, "ALAW": 1,
@@ -138,10 +146,12 @@ def load_audio(
     round(16000 * speed) Hz to 16000 Hz).
     raw: read the file as headerless PCM in this format.
     Raises AudioError "<path>: <reason>" for a missing, empty, truncated (fewer frames decoded than
-    the header says), corrupt or non-audio file, NaN/inf samples, or start/end outside the file.
+    the header says), corrupt or non-audio file, NaN/inf samples, start/end outside the file, or a
+    sample rate under 4000 Hz or too costly to resample (see `resample`); ValueError for a speed
+    that is not positive or too costly to resample (use at most three decimals).
+    Memory follows the audio actually decoded, whatever length the header claims.
     """
-    if not speed > 0:
-        raise ValueError(f"speed must be positive, got {speed!r}")
+    check_speed(speed)
     with closing(_Source(path, raw)) as src:
         first, last = src.segment(start, end)
         if first:
@@ -182,17 +192,50 @@ def iter_blocks(
 
 def resample(wave: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
     """(..., T) waveform at `orig_rate` Hz -> (..., ceil(T * new_rate / orig_rate)) float32 at
-    `new_rate` Hz (torchaudio's windowed-sinc resampler, zero-padded at both ends)."""
+    `new_rate` Hz (torchaudio's windowed-sinc resampler, zero-padded at both ends).
+    ValueError for a rate that is not a positive whole number, or a rate pair whose filter would
+    exceed 64 MB (rates with no large common divisor, e.g. 16001 -> 16000 Hz)."""
     for name, rate in (("orig_rate", orig_rate), ("new_rate", new_rate)):
         if int(rate) != rate or rate <= 0:
             raise ValueError(f"{name} must be a positive whole number of Hz, got {rate!r}")
     wave = wave.to(torch.float32)
     if orig_rate == new_rate:
         return wave
+    _check_filter(int(orig_rate), int(new_rate))
     return _resampler(int(orig_rate), int(new_rate))(wave)
 
 
-@functools.lru_cache(maxsize=64)
+def _filter_elements(orig_rate: int, new_rate: int) -> int:
+    """Elements of torchaudio's resampling filter for this rate pair: (new, 2 * width + orig) in
+    the reduced ratio, width as torchaudio computes it."""
+    orig, new = _reduced_ratio(orig_rate, new_rate)
+    width = math.ceil(_LOWPASS_FILTER_WIDTH * orig / (min(orig, new) * _ROLLOFF))
+    return new * (2 * width + orig)
+
+
+def _filter_problem(orig_rate: int, new_rate: int) -> str | None:
+    """Why resampling orig_rate -> new_rate is refused (a filter over _MAX_FILTER elements), if it is."""
+    if orig_rate == new_rate or _filter_elements(orig_rate, new_rate) <= _MAX_FILTER:
+        return None
+    megabytes = _filter_elements(orig_rate, new_rate) * 4 / 2**20
+    return (f"resampling {orig_rate} Hz to {new_rate} Hz needs a {megabytes:,.0f} MB filter (the rates share no "
+            f"large divisor); convert the audio to a common rate first, e.g. 'sox IN -r {new_rate} OUT.wav'")
+
+
+def _check_filter(orig_rate: int, new_rate: int) -> None:
+    problem = _filter_problem(orig_rate, new_rate)
+    if problem:
+        raise ValueError(problem)
+
+
+def _rate_problem(rate: int) -> str | None:
+    """Why audio at `rate` Hz is refused (too low for speech, or too costly to resample), if it is."""
+    if rate < _MIN_RATE:
+        return f"sample rate {rate} Hz is too low for speech (at least {_MIN_RATE} Hz)"
+    return _filter_problem(rate, SAMPLE_RATE)
+
+
+@functools.lru_cache(maxsize=16)
 def _resampler(orig_rate: int, new_rate: int) -> torch.nn.Module:
     """torchaudio's Resample of one rate pair, its windowed-sinc kernel built once (float32, as
     torchaudio.functional.resample builds it for float32 input, so results are the same)."""
@@ -206,9 +249,14 @@ def to_mono_16k(wave: np.ndarray | torch.Tensor, sample_rate: int) -> torch.Tens
 
     wave: numpy array or tensor, (T,) or (T, C) as soundfile returns it (not torchaudio's (C, T)),
     float in [-1, 1] or int8/uint8/int16/int32 PCM (scaled to [-1, 1)).
-    Raises TypeError for another kind of object, ValueError for another shape or sample type
-    or for NaN/inf samples.
+    Raises TypeError for another kind of object, ValueError for another shape or sample type,
+    for NaN/inf samples, or for a rate under 4000 Hz or too costly to resample (see `resample`).
     """
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise ValueError(f"sample rate must be a positive whole number of Hz, got {sample_rate!r}")
+    problem = _rate_problem(int(sample_rate))
+    if problem:
+        raise ValueError(problem)
     x = _float_tensor(wave)
     if x.ndim == 2:
         if x.shape[1] > _MAX_CHANNELS:
@@ -269,8 +317,23 @@ class _Source:
         self.position = frame
 
     def read_upto(self, frames: int) -> np.ndarray:
-        """(n,) float32 mono, n = frames unless the file ends first (never past the header's end)."""
-        frames = min(frames, self.info.frames - self.position)
+        """(n,) float32 mono, n = frames unless the file ends first (never past the header's end).
+        Decoded _READ_SAMPLES at a time: a header claiming more than the file holds costs nothing."""
+        left = min(frames, self.info.frames - self.position)
+        piece = max(1, _READ_SAMPLES // self.info.channels)  # frames per read
+        parts = []
+        while left > 0:
+            want = min(left, piece)
+            parts.append(self._read(want))
+            left -= len(parts[-1])
+            if len(parts[-1]) < want:  # the data ends before the header says
+                break
+        if not parts:
+            return np.zeros(0, np.float32)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _read(self, frames: int) -> np.ndarray:
+        """(n <= frames,) float32 mono from the current position, checked finite."""
         try:
             data = self.file.read(frames, dtype="float32", always_2d=True)  # (n, C)
         except (sf.LibsndfileError, RuntimeError) as err:
@@ -317,6 +380,9 @@ class _Source:
             raise self.error(problem)
         if frames <= 0:
             raise self.error("no audio frames (empty)")
+        problem = _rate_problem(f.samplerate)
+        if problem:
+            raise self.error(problem)
         if raw is not None and os.path.getsize(self.path) % raw.frame_bytes:
             raise self.error(
                 f"truncated: {os.path.getsize(self.path)} bytes is not a whole number of "
@@ -417,11 +483,26 @@ def _resample_block(before: np.ndarray, block: np.ndarray, after: np.ndarray, ra
     return resample(chunk, rate, SAMPLE_RATE)[skip: skip + -(-len(block) * up // down)]
 
 
+def check_speed(speed: float) -> None:
+    """ValueError unless `speed` is a usable speed perturbation factor: positive, finite, and with
+    a cheap resampling filter (three decimals or fewer always are: 0.9, 1.05, 0.913)."""
+    if not (math.isfinite(speed) and speed > 0):
+        raise ValueError(f"speed must be positive, got {speed!r}")
+    problem = _filter_problem(_speed_rate(speed), SAMPLE_RATE)
+    if problem:
+        raise ValueError(f"speed {speed:g}: {problem.split(' (')[0]}; use a factor of at most three decimals")
+
+
+def _speed_rate(speed: float) -> int:
+    """The rate (Hz) the 16 kHz audio is taken to have for speed perturbation by `speed`."""
+    return round(SAMPLE_RATE * speed)
+
+
 def _perturb_speed(wave: torch.Tensor, speed: float) -> torch.Tensor:
     """Speed perturbation of a 16 kHz waveform: (T,) -> about (T / speed,)."""
     if speed == 1.0:
         return wave
-    return resample(wave, round(SAMPLE_RATE * speed), SAMPLE_RATE)
+    return resample(wave, _speed_rate(speed), SAMPLE_RATE)
 
 
 def _float_tensor(wave: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,9 @@ the same rules with format "asr-checkpoint".
 """
 from __future__ import annotations
 
+import re
+import warnings
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,12 +36,24 @@ class CheckpointError(ValueError):
 
 def save_atomic(obj: Mapping[str, Any], path: str | Path) -> None:
     """torch.save to a temporary file in the same folder, fsync, then rename over `path`:
-    a reader (or a crash) never sees a half-written file."""
+    a reader (or a crash) never sees a half-written file. A write that fails (a full disk)
+    raises OSError "[Errno N] reason: 'path'", leaving the previous `path` as it was and no
+    temporary file."""
     _check_plain(obj, "")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "wb") as f:
-        torch.save(dict(obj), f)
+    try:
+        with atomic_open(path, "wb") as f:
+            torch.save(dict(obj), f)
+    except RuntimeError as e:  # torch.save reports a failed write as "unexpected pos ..."
+        cause = e.__context__
+        if not isinstance(cause, OSError) or cause.errno is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from None
+    except OSError as e:
+        if e.errno is None or e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 _PLAIN = (str, int, float, bool, bytes, type(None), torch.Size)  # exact types: np.float64 is a float
@@ -60,15 +75,23 @@ def _check_plain(obj: Any, where: str) -> None:
 
 
 def load_file(path: str | Path, expected_format: str = MODEL_FORMAT, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a model file or checkpoint with weights_only=True and check its envelope."""
+    """Load a model file or checkpoint with weights_only=True and check its envelope.
+
+    CheckpointError "path: reason" (one line) for a missing file, a directory, an empty file, a
+    file of another kind (text, a zip archive, numpy, TorchScript), a damaged one, one holding
+    Python objects other than tensors and plain data (refused: nothing in it runs), another
+    format or a newer version.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
+    problem = _file_problem(path)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols and archives
+            obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # pickle / zip errors, or objects weights_only refuses
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a loadable {expected_format} file ({reason[:200]})") from None
+        raise CheckpointError(f"{path}: {_load_problem(e, expected_format)}") from None
     if not isinstance(obj, dict) or "format" not in obj:
         raise CheckpointError(f"{path}: not an {expected_format} file (no format field)")
     if obj["format"] != expected_format:
@@ -80,6 +103,52 @@ def load_file(path: str | Path, expected_format: str = MODEL_FORMAT, map_locatio
         raise CheckpointError(f"{path}: format version {version!r} is newer than this toolkit reads "
                               f"({VERSION}); upgrade the toolkit")
     return obj
+
+
+def _file_problem(path: Path) -> str | None:
+    """What is wrong with `path` before torch.load reads it, if visible from its first bytes."""
+    if not path.exists():
+        return "no such file"
+    if not path.is_file():
+        return "is a directory, not a model file" if path.is_dir() else "not a regular file"
+    if path.stat().st_size == 0:
+        return "empty file (0 bytes)"
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"PK\x03\x04"):
+        return _zip_problem(path)
+    if head.startswith(b"\x93NUMPY"):
+        return "a numpy array file, not a model file"
+    if head[:1] != b"\x80":  # the PROTO opcode every pickle and torch.save file begins with
+        return "not a file written by torch.save (text or another format)"
+    return None
+
+
+def _zip_problem(path: Path) -> str | None:
+    """Why a zip archive is not a torch.save file, if it is not."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        return f"a damaged or truncated zip archive ({e})"
+    if not any(name.endswith("/data.pkl") for name in names):
+        return "a zip archive, but not one written by torch.save"
+    if any(name.endswith("/constants.pkl") or "/code/" in name for name in names):
+        return "a TorchScript archive (torch.jit.save), not a model file written by asr train / asr average"
+    return None
+
+
+def _load_problem(e: Exception, expected_format: str) -> str:
+    """One line for what torch.load(weights_only=True) raised."""
+    text = " ".join(str(e).split())
+    if "Weights only load failed" in text:
+        found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"(Unsupported operand \d+)", text)
+        what = f" ({found[1]})" if found else ""
+        return (f"refused: holds Python objects other than tensors and plain data{what}, which loading could run; "
+                f"an {expected_format} file never does, so nothing in it was loaded")
+    if isinstance(e, EOFError) or "failed reading zip archive" in text or "failed finding central directory" in text:
+        return f"damaged or truncated ({text[:160] or type(e).__name__})"
+    return f"not a loadable {expected_format} file ({text[:200] or type(e).__name__})"
 
 
 def model_file(*, model: Mapping[str, Any], frontend: Mapping[str, Any], tokenizer: Mapping[str, Any],

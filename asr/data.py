@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from asr.audio import SAMPLE_RATE, AudioError, AudioInfo, audio_info, load_audio
+from asr.audio import SAMPLE_RATE, AudioError, AudioInfo, audio_info, check_speed, load_audio
 from asr.features import (
     CMVNStats,
     FeatureConfig,
@@ -121,8 +121,9 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     """Read a JSON Lines manifest. Blank lines are allowed; unknown keys are ignored.
 
     Every malformed line is fatal: ManifestError "path:line: reason" for bad JSON, a line that is
-    not an object, a missing or mistyped field, a duration that is not a finite positive number,
-    a duplicate id (naming the first line too), an invalid start/end, speed <= 0.
+    not an object, a missing or mistyped field, a string that is not valid Unicode (an escaped lone
+    surrogate), a duration that is not a finite positive number, a duplicate id (naming the first
+    line too), an invalid start/end, speed <= 0.
     Relative `audio` paths are resolved against the manifest's folder.
     """
     base = os.path.dirname(os.path.abspath(path))
@@ -170,14 +171,16 @@ def _parse_manifest_line(line: str, base: str) -> Utterance:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise _LineError(f"bad JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise _LineError("bad JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise _LineError(f"expected a JSON object, got {_json_type(obj)}")
     utt_id = _str_field(obj, "id")
     if not utt_id or any(c.isspace() for c in utt_id):
         raise _LineError(f"id {utt_id!r} is empty or contains whitespace")
     audio = _str_field(obj, "audio")
-    if not audio:
-        raise _LineError("audio is empty")
+    if not audio or "\0" in audio:
+        raise _LineError("audio is empty" if not audio else "audio holds a NUL character")
     utt = Utterance(
         id=utt_id,
         audio=audio if os.path.isabs(audio) else os.path.normpath(os.path.join(base, audio)),
@@ -218,6 +221,10 @@ def _str_field(obj: dict, name: str, *, required: bool = True) -> str | None:
         return None
     if not isinstance(value, str):
         raise _LineError(f"field '{name}' must be a string, got {_json_type(value)} {_short(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _LineError(f"field '{name}' is not valid Unicode (a lone surrogate at character {e.start})") from None
     return value
 
 
@@ -229,9 +236,13 @@ def _num_field(obj: dict, name: str, *, required: bool = True, default: float | 
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _LineError(f"field '{name}' must be a number, got {_json_type(value)} {_short(value)}")
-    if not math.isfinite(value):
-        raise _LineError(f"field '{name}' must be finite, got {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # a JSON integer of hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):
+        raise _LineError(f"field '{name}' must be finite, got {_short(value)}")
+    return number
 
 
 def _json_type(value: Any) -> str:
@@ -506,6 +517,8 @@ def speed_perturb(utts: Sequence[Utterance], speeds: Iterable[float] = (0.9, 1.1
     bad = [s for s in speeds if not (math.isfinite(s) and s > 0)]
     if bad:
         raise ValueError(f"speed perturbation factors must be positive, got {bad}")
+    for s in speeds:
+        check_speed(s)
     out = list(utts)
     present = {u.id for u in out}
     base = [u for u in out if u.speed == 1.0]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -140,7 +141,7 @@ def _decode(recognizer: Recognizer, utts: list[Utterance], config: DecodingConfi
             records = [{"id": utt_id, "text": "", "score": None, "skipped": reason} for utt_id, reason in skipped]
             for utt_id, reason in skipped:
                 log.warning("%s: %s; skipped (empty hypothesis)", utt_id, reason)
-            records += _decode_batch(recognizer, batch, options)
+            records += _decode_within_memory(recognizer, batch, options)
             journal.append(records)
             audio += sum(seconds[r["id"]] for r in records)
             bar.update(len(records))
@@ -149,6 +150,35 @@ def _decode(recognizer: Recognizer, utts: list[Utterance], config: DecodingConfi
     print(f"decode: {len(utts)} utterances, {audio:.1f} s of audio in {elapsed:.1f} s: "
           f"real-time factor {elapsed / max(audio, 1e-9):.4f}, {len(utts) / max(elapsed, 1e-9):.2f} utterances/s",
           file=sys.stderr)
+
+
+def _decode_within_memory(recognizer: Recognizer, batch: Batch, options: SearchOptions) -> list[dict[str, Any]]:
+    """The records of `_decode_batch`; a batch that runs out of memory is decoded one utterance at
+    a time, and an utterance that does not fit alone is an empty hypothesis (reported, counted in
+    "skipped"), so that a rerun does not stop at it again."""
+    try:
+        return _decode_batch(recognizer, batch, options)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not _out_of_memory(e):
+            raise
+        reason = " ".join(str(e).split())[:160]
+    if len(batch.ids) == 1:
+        log.warning("%s: out of memory even alone (%s); skipped (empty hypothesis)", batch.ids[0], reason)
+        return [{"id": batch.ids[0], "text": "", "score": None, "skipped": f"out of memory ({reason})"}]
+    log.warning("a batch of %d utterances ran out of memory; decoding them one at a time", len(batch.ids))
+    return [r for i in range(len(batch.ids)) for r in _decode_within_memory(recognizer, _row(batch, i), options)]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
+def _row(batch: Batch, i: int) -> Batch:
+    """Utterance i of a padded batch, alone and unpadded."""
+    frames, tokens = int(batch.feat_lens[i]), int(batch.token_lens[i])
+    return Batch(batch.ids[i:i + 1], batch.feats[i:i + 1, :frames], batch.feat_lens[i:i + 1],
+                 batch.tokens[i:i + 1, :tokens], batch.token_lens[i:i + 1])
 
 
 def _decode_batch(recognizer: Recognizer, batch: Batch, options: SearchOptions) -> list[dict[str, Any]]:

@@ -9,13 +9,20 @@ tokenizer and audio included, which DESIGN.md lets import nothing else of ours) 
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO
 
-__all__ = ["TextFileError", "atomic_open", "numbered_lines", "read_table"]
+__all__ = ["TextFileError", "atomic_open", "numbered_lines", "read_table", "remove_stale_temporaries"]
+
+log = logging.getLogger("asr.fileio")
+
+# The temporary file of atomic_open: ".<name>.<writer's pid>.<8 hex digits>.tmp" beside the target.
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
 
 
 @contextmanager
@@ -23,6 +30,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     """Open a temporary file beside `path` for writing; on a clean exit flush it, fsync it and
     rename it over `path` (os.replace), so that readers see either the old file or the whole new
     one, even after a crash. On an exception the temporary file is removed and `path` untouched.
+    A writer killed outright (SIGKILL, power loss) leaves its ".<name>.<pid>.<hex>.tmp"; the next
+    atomic_open in the folder removes it (`remove_stale_temporaries`).
 
     mode: "w" (text, `encoding`) or "wb" (binary; `encoding` ignored). The folder must exist.
     The file gets the permissions of a plain open() (0o666 less the umask).
@@ -31,6 +40,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         raise ValueError(f"atomic_open: mode must be 'w' or 'wb', got {mode!r}")
     path = os.fspath(path)
     folder, name = os.path.split(path)
+    remove_stale_temporaries(folder or ".")
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -45,6 +55,50 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         except FileNotFoundError:
             pass
         raise
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
+    """Remove the temporary files of `atomic_open` writers that were killed before renaming them:
+    ".<name>.<pid>.<8 hex digits>.tmp" whose pid is no live process of this machine (a zombie
+    counts as dead). Returns the names removed; a missing folder or a file that cannot be removed
+    is left alone (never an error). Meant for folders written from one machine, as the toolkit's
+    are (rank 0 writes for every rank): a pid says nothing about other machines' processes."""
+    try:
+        entries = [e.name for e in os.scandir(folder) if e.name.endswith(".tmp") and e.name.startswith(".")]
+    except OSError:
+        return []
+    removed = []
+    for name in entries:
+        match = _TEMPORARY.fullmatch(name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            continue
+        log.info("removed %s, left in %s by a writer that was killed (pid %s)", name, folder, match["pid"])
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a running (not zombie) process of this machine; ours always is."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OverflowError:  # not a pid at all
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[-1].split()[0]  # after "pid (command)"
+    except OSError:  # no /proc (not Linux): os.kill found it
+        return True
+    return state != b"Z"
 
 
 class TextFileError(ValueError):

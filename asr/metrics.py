@@ -310,9 +310,15 @@ def _manifest_line(line: str) -> tuple[str, str]:
         item = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"bad JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("bad JSON (nested too deeply)") from None
     if not isinstance(item, dict):
         raise TypeError("not a JSON object")
     for key in ("id", "text"):
         if not isinstance(item.get(key), str):
             raise TypeError(f"no string {key!r}" if key not in item else f"{key!r} is not a string")
+        try:
+            item[key].encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{key!r} is not valid Unicode (a lone surrogate)") from None
     return item["id"], item["text"]

@@ -268,6 +268,8 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(meta, dict) and isinstance(meta.get("model"), str):
+            if Path(meta["model"]).name != meta["model"]:
+                raise ValueError(f"'model' must name a file beside tokenizer.json, got {meta['model']!r}")
             meta["model"] = (path.parent / meta["model"]).read_bytes()
         tokenizer = tokenizer_from_dict(meta)
     except OSError as e:

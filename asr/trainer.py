@@ -19,6 +19,8 @@ import logging
 import math
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from asr.checkpoint import CHECKPOINT_FORMAT, VERSION, load_file, model_file, save_atomic
-from asr.config import config_diff, load_config, to_dict
+from asr.config import config_diff, load_config, read_yaml, to_dict
 from asr.data import Batch, DataConfig, compute_cmvn, make_loader, read_manifest
 from asr.features import CMVNStats, GlobalCMVN
-from asr.fileio import atomic_open
+from asr.fileio import atomic_open, remove_stale_temporaries
 from asr.metrics import normalize_text, score
 from asr.model.asr_model import ModelConfig, build_model, ctc_feasible
 from asr.search import search
@@ -87,7 +89,8 @@ class ExperimentConfig:
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (a refused resume, too many non-finite steps); one line."""
+    """Training cannot go on (a refused resume, too many non-finite steps, a checkpoint that cannot
+    be written, a lost rank, running out of memory under DDP); one line."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,19 +99,23 @@ class TrainingError(RuntimeError):
 
 def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, exp_dir: str | Path, *,
           tokenizer_dir: str | None = None, cmvn_path: str | None = None) -> Path:
-    """Train into `exp_dir` (resuming from its newest checkpoint); returns the final model file."""
+    """Train into `exp_dir` (resuming from its newest checkpoint); returns the final model file.
+
+    Whatever stops it (SIGKILL, SIGTERM, a full disk, a lost rank), running the same call again
+    resumes from the last checkpoint and ends with the same weights as an uninterrupted run."""
     ctx = _setup_process(config.training)
+    exp = Path(exp_dir)
     try:
-        exp = Path(exp_dir)
-        _check_or_save_config(exp, config, ctx)
-        train_utts, valid_utts = read_manifest(train_manifest), read_manifest(valid_manifest)
-        tokenizer = _tokenizer(exp, config, train_utts, tokenizer_dir, ctx)
-        cmvn = _cmvn(exp, config, train_utts, cmvn_path, ctx)
-        run = _build(config, tokenizer, cmvn, _label_rate(tokenizer, train_utts), ctx)
-        state = _resume(exp, run, ctx)
-        loop = _Loop(config, exp, run, state, train_utts, valid_utts, ctx)
-        loop.run()
-        return loop.finish()
+        with _sigterm_stops(exp, ctx), _collective_errors(exp, ctx):
+            train_utts, valid_utts = read_manifest(train_manifest), read_manifest(valid_manifest)
+            _check_or_save_config(exp, config, ctx)
+            tokenizer = _tokenizer(exp, config, train_utts, tokenizer_dir, ctx)
+            cmvn = _cmvn(exp, config, train_utts, cmvn_path, ctx)
+            run = _build(config, tokenizer, cmvn, _label_rate(tokenizer, train_utts), ctx)
+            state = _resume(exp, run, ctx)
+            loop = _Loop(config, exp, run, state, train_utts, valid_utts, ctx)
+            loop.run()
+            return loop.finish()
     finally:
         if ctx.distributed:
             dist.destroy_process_group()
@@ -157,15 +164,69 @@ def _setup_process(tc: TrainingConfig) -> _Context:
     return _Context(rank, world, local, device)
 
 
+def _resume_hint(exp: Path) -> str:
+    """Where a rerun of the same command resumes from."""
+    last = read_index(_checkpoint_dir(exp))
+    if not last:
+        return "rerun the same command to start again (no checkpoint yet)"
+    return f"rerun the same command to resume from {_checkpoint_dir(exp) / last[-1]['file']}"
+
+
+@contextlib.contextmanager
+def _sigterm_stops(exp: Path, ctx: _Context):
+    """SIGTERM (a scheduler's preemption, or torchrun stopping the other ranks of a job whose
+    rank failed) raises a TrainingError that says so, instead of ending the process silently.
+    Only in the main thread, where Python can install signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    pid = os.getpid()
+
+    def stop(signum, frame):
+        if os.getpid() != pid:  # a forked DataLoader worker: die as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        who = f"rank {ctx.rank}: " if ctx.distributed else ""
+        why = " (torchrun stops every rank when one fails: see the first error above)" if ctx.distributed else ""
+        raise TrainingError(f"{who}stopped by SIGTERM{why}; {_resume_hint(exp)}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _collective_errors(exp: Path, ctx: _Context):
+    """Under DDP, a collective that fails because another rank died (gloo: "Connection closed by
+    peer", NCCL errors) becomes a one-line TrainingError saying so."""
+    try:
+        yield
+    except TrainingError:
+        raise
+    except RuntimeError as e:
+        if not ctx.distributed or isinstance(e, torch.OutOfMemoryError) or not _is_collective_error(e):
+            raise
+        reason = " ".join(str(e).split())
+        reason = reason.split("] ", 1)[-1][:160]  # without gloo's source location
+        raise TrainingError(f"rank {ctx.rank}: lost contact with another rank ({reason}); the job stops: "
+                            f"{_resume_hint(exp)}") from None
+
+
+def _is_collective_error(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer"))
+
+
 def _check_or_save_config(exp: Path, config: ExperimentConfig, ctx: _Context) -> None:
     """Save the resolved config in EXP; refuse to resume into an EXP trained with another."""
     path = exp / "config.yaml"
     new = to_dict(config)
     if path.is_file():
-        import yaml
-
-        old = yaml.safe_load(path.read_text(encoding="utf-8"))
-        diff = config_diff(old, new)
+        diff = config_diff(read_yaml(path), new)
         if diff:
             raise TrainingError(f"{exp} was trained with another config; use a new --exp-dir or the same "
                                 f"config. Differences (saved -> now): {'; '.join(diff)}")
@@ -199,7 +260,11 @@ def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ct
     path = exp / "cmvn.json"
     if ctx.main and not path.is_file():
         log.info("computing CMVN statistics over %d utterances", len(utts))
-        compute_cmvn(utts, config.data.features, num_workers=config.data.num_workers).save(path)
+        stats = compute_cmvn(utts, config.data.features, num_workers=config.data.num_workers)
+        if stats.count == 0:
+            raise TrainingError(f"none of the {len(utts)} training utterances has usable audio "
+                                "(see the warnings above)")
+        stats.save(path)
     ctx.barrier()
     return CMVNStats.load(path)
 
@@ -312,9 +377,14 @@ def _save_checkpoint(exp: Path, run: _Run, state: _State, ctx: _Context, *, vali
                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         )
         folder = _checkpoint_dir(exp)
-        save_atomic(obj, folder / f"ckpt-{state.step:08d}.pt")
-        _write_index(folder, state.step, state.epoch, valid_loss)
-        _prune(folder, run)
+        path = folder / f"ckpt-{state.step:08d}.pt"
+        try:
+            save_atomic(obj, path)
+            _write_index(folder, state.step, state.epoch, valid_loss)
+            _prune(folder, run)
+        except OSError as e:  # a full disk: the previous checkpoints are intact
+            raise TrainingError(f"cannot write checkpoint {path}: {e.strerror or e}; training stopped, "
+                                f"nothing saved is lost: once fixed, {_resume_hint(exp)}") from None
     ctx.barrier()
 
 
@@ -332,8 +402,11 @@ def _index_path(folder: Path) -> Path:
 def read_index(folder: Path) -> list[dict[str, Any]]:
     """EXP/checkpoints/index.json: [{"file", "step", "epoch", "valid_loss"}] of the checkpoints kept."""
     path = _index_path(folder)
-    entries = json.loads(path.read_text()) if path.is_file() else []
-    return [e for e in entries if (folder / e["file"]).is_file()]
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+        return [e for e in entries if (folder / e["file"]).is_file()]
+    except (ValueError, TypeError, KeyError) as e:  # edited by hand
+        raise TrainingError(f"{path}: not a checkpoint index ({e}); remove it to start from scratch") from None
 
 
 def _write_index(folder: Path, step: int, epoch: int, valid_loss: float | None) -> None:
@@ -360,7 +433,11 @@ def _prune(folder: Path, run: _Run) -> None:
 
 
 def _resume(exp: Path, run: _Run, ctx: _Context) -> _State:
-    """Load the newest checkpoint in EXP, if any: weights, optimizer, scaler, RNG, position."""
+    """Load the newest checkpoint in EXP, if any: weights, optimizer, scaler, RNG, position.
+    Rank 0 first removes the temporary files of writes a kill interrupted."""
+    if ctx.main:
+        for folder in (exp, exp / "tokenizer", _checkpoint_dir(exp)):
+            remove_stale_temporaries(folder)
     entries = read_index(_checkpoint_dir(exp))
     if not entries:
         return _State()
@@ -394,8 +471,7 @@ class _Loop:
                  train_utts: list, valid_utts: list, ctx: _Context):
         self.config, self.tc, self.exp, self.run_, self.state, self.ctx = config, config.training, exp, run, state, ctx
         self.train_utts, self.valid_utts = train_utts, valid_utts
-        self.log = _Logger(exp, ctx.main)
-        self.stop_reason = ""
+        self.log = _Logger(exp, ctx.main, resumed_at=state.step)
         self.ctc_reported: set[str] = set()
         self.train_loader = self._loader(train_utts, training=True)
         self.valid_loader = self._loader(valid_utts, training=False)
@@ -405,16 +481,30 @@ class _Loop:
 
     # -- the outer loop ------------------------------------------------------------------------
     def run(self) -> None:
-        tc, st = self.tc, self.state
-        while st.epoch < tc.epochs and not self.stop_reason:
-            finished = self._train_epoch()
-            if not finished:  # max_steps reached mid-epoch
-                self._validate_and_checkpoint(end_of_epoch=False)
-                break
-            self._validate_and_checkpoint(end_of_epoch=True)
-        if not self.stop_reason:
-            self.stop_reason = f"{st.epoch} epochs done" if st.epoch >= tc.epochs else "max_steps reached"
-        log.info("training stopped: %s", self.stop_reason)
+        while not self._why_stop():
+            finished = self._train_epoch()  # False: max_steps reached mid-epoch
+            self._report_skipped()
+            self._validate_and_checkpoint(end_of_epoch=finished)
+        log.info("training stopped: %s", self._why_stop())
+
+    def _report_skipped(self) -> None:
+        """Count the training utterances skipped so far, over all ranks (each was reported once,
+        with its reason, when first met)."""
+        count = torch.tensor([float(len(self.train_loader.skipped))], device=self.ctx.device)
+        if self.ctx.distributed:
+            dist.all_reduce(count)
+        if count.item():
+            log.warning("%d training utterances skipped so far (their audio cannot be used: see above)", count.item())
+
+    def _why_stop(self) -> str:
+        """Why training is over, or "": from the saved state alone, so that a run resumed from its
+        last checkpoint (killed while writing the final model) stops where it stopped."""
+        st, tc = self.state, self.tc
+        if self._max_steps_reached():
+            return "max_steps reached"
+        if tc.patience and st.epochs_without_gain >= tc.patience:
+            return f"no better validation loss for {tc.patience} epochs"
+        return f"{st.epoch} epochs done" if st.epoch >= tc.epochs else ""
 
     def finish(self) -> Path:
         """Write EXP/model_last.pt and the curves (rank 0)."""
@@ -446,21 +536,20 @@ class _Loop:
         total = st.batch + len(loader)
         self.total_steps = tc.max_steps or math.ceil(total / tc.accum_grad) * tc.epochs
         self.run_.model.train()
-        bar = _progress(self.ctx.main, total, st.batch, f"epoch {st.epoch + 1}/{tc.epochs}")
         self.last_step_end = time.perf_counter()
         group: list[Batch] = []
-        for batch in loader:
-            group.append(batch)
-            if len(group) < tc.accum_grad and st.batch + len(group) < total:
-                continue
-            self._optimizer_step(group, bar)
-            group = []
-            if self.stop_reason or self._max_steps_reached():
-                bar.close()
-                return False
-            if tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
-                _save_checkpoint(self.exp, self.run_, st, self.ctx, valid_loss=None)
-        bar.close()
+        # closed however the epoch ends, so that an error message starts on a line of its own
+        with _progress(self.ctx.main, total, st.batch, f"epoch {st.epoch + 1}/{tc.epochs}") as bar:
+            for batch in loader:
+                group.append(batch)
+                if len(group) < tc.accum_grad and st.batch + len(group) < total:
+                    continue
+                self._optimizer_step(group, bar)
+                group = []
+                if self._max_steps_reached():
+                    return False
+                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
+                    _save_checkpoint(self.exp, self.run_, st, self.ctx, valid_loss=None)
         return True
 
     # -- one optimizer step --------------------------------------------------------------------
@@ -468,18 +557,17 @@ class _Loop:
         run, st, tc, ctx = self.run_, self.state, self.tc, self.ctx
         for g in run.optimizer.param_groups:
             g["lr"] = learning_rate(tc, st.step, self.total_steps)
-        norm = self._global_counts(group)  # (tokens, utterances) of the global batch
-        sums = torch.zeros(4, device=ctx.device, dtype=torch.float64)  # loss, att, ctc, correct tokens
-        for i, batch in enumerate(group):
-            out = self._forward_backward(batch, norm, sync=i == len(group) - 1)
-            sums += out
+        consumed = len(group)
+        norm, sums, group = self._accumulate(group)
         run.scaler.unscale_(run.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
-        st.batch += len(group)
+        st.batch += consumed
         # The one host synchronization of a step: skipping is decided from the gradient norm,
         # which is the same on every rank after DDP's all-reduce.
-        if not math.isfinite(float(grad_norm)):  # a non-finite loss makes the gradients non-finite too
-            self._skip_step(float(grad_norm))
+        if not group:
+            self._skip_step("every utterance of the batch ran out of memory alone")
+        elif not math.isfinite(float(grad_norm)):  # a non-finite loss makes the gradients non-finite too
+            self._skip_step(f"non-finite loss or gradient norm ({float(grad_norm)})")
         else:
             run.scaler.step(run.optimizer)
             st.step += 1
@@ -490,7 +578,53 @@ class _Loop:
         now = time.perf_counter()  # audio seconds per wall second, data waits included
         speed, self.last_step_end = seconds * ctx.world_size / max(now - self.last_step_end, 1e-9), now
         self.log.train_step(st, sums, norm, grad_norm, run.optimizer.param_groups[0]["lr"], speed, bar,
-                            tc.log_every, len(group))
+                            tc.log_every, consumed)
+
+    def _accumulate(self, group: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, list[Batch]]:
+        """Forward and backward of the micro-batches of one step: (global (tokens, utterances),
+        (loss, att, ctc, correct tokens) sums, the micro-batches used). In one process, a
+        micro-batch that runs out of memory is split in halves and the step started again (an
+        utterance that does not fit alone is left out, with a warning); under DDP the ranks cannot
+        retry alone, so running out of memory ends the job with a TrainingError."""
+        while True:
+            norm = self._global_counts(group)  # (tokens, utterances) of the global batch
+            sums, failed = self._forward_backward_all(group, norm)
+            if failed is None:
+                return norm, sums, group
+            self.run_.optimizer.zero_grad(set_to_none=True)  # the failed backward may have added some
+            group = group[:failed] + self._split_after_oom(group[failed]) + group[failed + 1:]
+
+    def _forward_backward_all(self, group: list[Batch], norm: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """(the sums of `_forward_backward` over the group, the index of the micro-batch that ran
+        out of memory or None)."""
+        sums = torch.zeros(4, device=self.ctx.device, dtype=torch.float64)
+        for i, batch in enumerate(group):
+            try:
+                sums += self._forward_backward(batch, norm, sync=i == len(group) - 1)
+            except torch.OutOfMemoryError:
+                if self.ctx.distributed:
+                    raise TrainingError(self._oom_message(batch)) from None
+                return sums, i  # leaving the handler frees the failed step's tensors
+        return sums, None
+
+    def _split_after_oom(self, batch: Batch) -> list[Batch]:
+        """The two halves of a micro-batch that ran out of memory, or [] for one utterance."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed step's blocks, for the halves to fit
+        seconds = float(batch.feat_lens.max()) * self.config.data.features.frame_shift_ms / 1000
+        if len(batch.ids) == 1:
+            log.warning("%s (%.1f s): out of memory even alone; skipped", batch.ids[0], seconds)
+            return []
+        log.warning("step %d: out of memory on a batch of %d utterances (longest %.1f s); split in two halves",
+                    self.state.step + 1, len(batch.ids), seconds)
+        half = len(batch.ids) // 2
+        return [_rows(batch, slice(0, half)), _rows(batch, slice(half, None))]
+
+    def _oom_message(self, batch: Batch) -> str:
+        seconds = float(batch.feat_lens.max()) * self.config.data.features.frame_shift_ms / 1000
+        return (f"rank {self.ctx.rank}: out of memory at step {self.state.step + 1} on a batch of {len(batch.ids)} "
+                f"utterances (longest {seconds:.1f} s); under DDP the ranks cannot retry alone, so the job stops: "
+                f"{_resume_hint(self.exp)} (or start a new --exp-dir with a smaller data.max_batch_seconds)")
 
     def _global_counts(self, group: list[Batch]) -> torch.Tensor:
         """(target tokens incl. eos, utterances) over all micro-batches of all ranks."""
@@ -511,13 +645,16 @@ class _Loop:
             batch = _dummy_batch(self.config.data.features.n_mels)
         feats, feat_lens = batch.feats.to(ctx.device, non_blocking=True), batch.feat_lens.to(ctx.device)
         tokens, token_lens = batch.tokens.to(ctx.device, non_blocking=True), batch.token_lens.to(ctx.device)
+        attempt = self.state.step + self.state.skipped_steps + 1
+        if not empty and _inject_oom(ctx.rank, attempt, len(batch.ids)):
+            raise torch.OutOfMemoryError("out of memory (injected by ASR_INJECT_OOM)")
         no_sync = ctx.distributed and not sync
         with run.wrapped.no_sync() if no_sync else contextlib.nullcontext():
             with torch.autocast(ctx.device.type, dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):
                 out = run.wrapped(feats, feat_lens, tokens, token_lens,
                                   num_tokens=norm[0], num_utts=norm[1])
             loss = out.loss * (0.0 if empty else ctx.world_size)  # DDP averages gradients over ranks
-            if _inject_nonfinite(ctx.rank, self.state.step + self.state.skipped_steps + 1):
+            if _inject_nonfinite(ctx.rank, attempt):
                 loss = loss * float("nan")
             run.scaler.scale(loss).backward()
         if empty:
@@ -535,17 +672,16 @@ class _Loop:
                 self.ctc_reported.add(batch.ids[i])
                 log.warning("%s: more labels than encoder frames for CTC; left out of the CTC loss", batch.ids[i])
 
-    def _skip_step(self, grad_norm: float) -> None:
+    def _skip_step(self, reason: str) -> None:
         st = self.state
         st.bad_steps += 1
         st.skipped_steps += 1
-        log.warning("step %d: non-finite loss or gradient norm (%s); step skipped (%d in a row, %d in all)",
-                    st.step + 1, grad_norm, st.bad_steps, st.skipped_steps)
+        log.warning("step %d: %s; step skipped (%d in a row, %d in all)", st.step + 1, reason, st.bad_steps,
+                    st.skipped_steps)
         if st.bad_steps >= self.tc.max_bad_steps:
-            last = read_index(_checkpoint_dir(self.exp))
-            where = f"; the last good checkpoint is {_checkpoint_dir(self.exp) / last[-1]['file']}" if last else ""
-            raise TrainingError(f"{st.bad_steps} non-finite steps in a row: training stopped (lower the "
-                                f"learning rate or check the data){where}")
+            raise TrainingError(f"{st.bad_steps} steps in a row skipped, the last for {reason}: training stopped "
+                                f"(lower the learning rate or data.max_batch_seconds, or check the data); "
+                                f"{_resume_hint(self.exp)}")
 
     # -- validation ----------------------------------------------------------------------------
     def _validate_and_checkpoint(self, *, end_of_epoch: bool) -> None:
@@ -560,8 +696,6 @@ class _Loop:
             st.epochs_without_gain += 1
         if end_of_epoch:
             st.epoch, st.batch = st.epoch + 1, 0
-        if self.tc.patience and st.epochs_without_gain >= self.tc.patience:
-            self.stop_reason = f"no better validation loss for {self.tc.patience} epochs"
         _save_checkpoint(self.exp, self.run_, st, self.ctx, valid_loss=result["loss"])
 
     @torch.no_grad()
@@ -626,6 +760,23 @@ def _inject_nonfinite(rank: int, attempt: int) -> bool:
     return bool(spec) and f"{rank}:{attempt}" in spec.split(",")
 
 
+def _inject_oom(rank: int, attempt: int, utterances: int) -> bool:
+    """Fault injection for tests: ASR_INJECT_OOM="RANK:N:U" makes RANK run out of memory in the
+    forward of every micro-batch of more than U utterances from its N-th optimizer step attempt on."""
+    spec = os.environ.get("ASR_INJECT_OOM")
+    if not spec:
+        return False
+    oom_rank, first, most = (int(x) for x in spec.split(":"))
+    return rank == oom_rank and attempt >= first and utterances > most
+
+
+def _rows(batch: Batch, rows: slice) -> Batch:
+    """Some utterances of a padded batch, trimmed to their own longest features and targets."""
+    feat_lens, token_lens = batch.feat_lens[rows], batch.token_lens[rows]
+    frames, tokens = int(feat_lens.max()), int(token_lens.max())
+    return Batch(batch.ids[rows], batch.feats[rows, :frames], feat_lens, batch.tokens[rows, :tokens], token_lens)
+
+
 def _dummy_batch(n_mels: int) -> Batch:
     """One short utterance with one token: the forward of a rank whose batch emptied."""
     return Batch(ids=[], feats=torch.zeros(1, 100, n_mels), feat_lens=torch.tensor([100]),
@@ -644,7 +795,11 @@ def _progress(enabled: bool, total: int, done: int, desc: str):
 
 
 class _Logger:
-    def __init__(self, exp: Path, enabled: bool):
+    """EXP/metrics.jsonl and TensorBoard (rank 0). A run resumed from step S first drops what the
+    interrupted run logged after S (and a line a kill cut short): the steps after S are logged
+    again, so the logs read as those of one uninterrupted run."""
+
+    def __init__(self, exp: Path, enabled: bool, resumed_at: int = 0):
         self.enabled = enabled
         self.path = exp / "metrics.jsonl"
         self.writer = None
@@ -652,7 +807,11 @@ class _Logger:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(exp / "tensorboard"))
+            if self.path.is_file():
+                kept = [r for r in read_records(self.path) if r.get("step", 0) <= resumed_at]
+                with atomic_open(self.path) as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+            self.writer = SummaryWriter(str(exp / "tensorboard"), purge_step=resumed_at + 1)
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -699,7 +858,7 @@ class _Logger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        records = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.is_file() else []
+        records = read_records(self.path) if self.path.is_file() else []
         train = [r for r in records if r["kind"] == "train"]
         valid = [r for r in records if r["kind"] == "valid"]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -721,6 +880,19 @@ class _Logger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of EXP/metrics.jsonl, skipping a line a kill cut short."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -759,4 +931,4 @@ def average(exp_dir: str | Path, *, by: str = "best", num: int = 5, out: str | P
 
 
 __all__ = ["ExperimentConfig", "TokenizerConfig", "TrainingConfig", "TrainingError", "average", "learning_rate",
-           "load_experiment_config", "read_index", "train"]
+           "load_experiment_config", "read_index", "read_records", "train"]

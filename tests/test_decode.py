@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
+import torch
 from test_api import speechlike, write_model_file
 
 import asr.decode
@@ -141,3 +142,59 @@ def test_duration_batches():
     for b in batches:
         assert len(b) <= 3 and (len(b) == 1 or max(durations[i] for i in b) * len(b) <= 20.0)
         assert [durations[i] for i in b] == sorted((durations[i] for i in b), reverse=True)
+
+
+@pytest.mark.parametrize("mode", ["attention", "greedy"])
+def test_a_model_that_never_ends_stops_at_the_length_limit(tmp_path, mode):
+    """A decoder whose eos never wins: every hypothesis stops at floor(max_len_ratio x encoder
+    frames) tokens, through the API and through `asr decode`."""
+    from asr.search import SearchOptions
+
+    model = write_model_file(tmp_path / "model.pt", eos_bias=-100.0)
+    recognizer = asr.decode.load_model(model)
+    options = SearchOptions(mode=mode, beam_size=3, max_len_ratio=0.5)
+    waves = [speechlike(seconds, i) for i, seconds in enumerate([0.8, 1.7])]
+    feats = [recognizer.feats(torch.from_numpy(w)) for w in waves]
+    frames = recognizer.model.encoder.subsampling.output_lengths(torch.tensor([f.shape[0] for f in feats]))
+    found = recognizer.decode(feats, options)
+    assert [len(nbest[0].tokens) for nbest in found] == [int(n) // 2 for n in frames]
+    lines = []
+    for i, wave in enumerate(waves):
+        sf.write(tmp_path / f"{i}.wav", wave, 16000)
+        lines.append(json.dumps({"id": f"u{i}", "audio": f"{i}.wav", "duration": len(wave) / 16000, "text": "A"}))
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    config = DecodingConfig(mode=mode, beam_size=3, max_len_ratio=0.5, num_workers=0, device="cpu")
+    decode_manifest(model, tmp_path / "m.jsonl", tmp_path / "out", config)
+    hyps = [line.split(" ", 1)[1] for line in (tmp_path / "out" / "hyp.txt").read_text().splitlines()]
+    assert all(0 < len(h.replace(" ", "")) <= int(n) // 2 for h, n in zip(hyps, frames))
+
+
+def test_running_out_of_memory_splits_the_batch_then_skips_the_utterance(corpus, tmp_path, monkeypatch, caplog):
+    """A batch that does not fit is decoded one utterance at a time; one that does not fit alone
+    is an empty hypothesis, reported and counted, never a crash that every rerun would meet."""
+    model, manifest = corpus
+    fresh = decode_manifest(model, manifest, tmp_path / "fresh", FAST)
+    original = asr.decode.Recognizer.decode
+
+    def tight(self, feats, options):
+        if len(feats) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if feats[0].shape[0] > 300:  # the 3.1 s utterance (utt0)
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+        return original(self, feats, options)
+
+    monkeypatch.setattr(asr.decode.Recognizer, "decode", tight)
+    wer = decode_manifest(model, manifest, tmp_path / "dec", FAST)
+    assert wer["skipped"] == fresh["skipped"] + 1 and wer["utterances"] == 6
+    assert "ran out of memory; decoding them one at a time" in caplog.text
+    assert "utt0: out of memory even alone" in caplog.text
+    fresh_hyps = (tmp_path / "fresh" / "hyp.txt").read_text().splitlines()
+    hyps = (tmp_path / "dec" / "hyp.txt").read_text().splitlines()
+    assert hyps[0] == "utt0" and hyps[1:] == fresh_hyps[1:]
+
+    def bug(self, feats, options):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+
+    monkeypatch.setattr(asr.decode.Recognizer, "decode", bug)  # a bug is not hidden as a skip
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        decode_manifest(model, manifest, tmp_path / "bug", FAST)
