@@ -11,6 +11,9 @@
 #   3 train                        4 average checkpoints      5 decode the test set
 #   6 results table and a transcription of one test file
 set -euo pipefail
+# OpenMP threads that wait passively: with busy-waiting ones, any other program on a 2-core machine
+# slowed training steps up to 8x (a descheduled thread keeps its partner spinning)
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
