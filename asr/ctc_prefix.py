@@ -1,8 +1,9 @@
 """CTC prefix scores for joint CTC/attention beam search, and CTC prefix beam search.
 
-Shape legend: B utterances, N hypotheses per utterance (beam), R = B * N rows (utterance b owns
-rows b*N .. b*N + N-1), C candidate tokens per row, T encoder frames, V vocabulary, K tokens
-tried per frame.
+Shape legend: B utterances, N hypotheses per utterance (beam), R rows (hypotheses; the scorer
+starts with R = B * N, utterance b owning rows b*N .. b*N + N-1, and then follows the search's
+selections, keeping each row's utterance), C candidate tokens per row, T encoder frames, V
+vocabulary, K tokens tried per frame.
 
 The prefix probability of a token sequence h is the probability that the CTC output (repeats
 merged, blanks removed) starts with h; the probability of "h then eos" is that of the output
@@ -10,16 +11,20 @@ being exactly h (Watanabe et al. 2017, "Hybrid CTC/attention architecture for en
 recognition", Algorithm 2). Frames at or past an utterance's length are padding that emits blank
 with probability 1, which changes no probability, so utterances of any lengths share a batch.
 
-Imports nothing of ours: the search hands in the CTC head and the token ids.
+Imports nothing of ours (asr.search's Selection for type hints only): the search hands in the
+CTC head and the token ids.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from asr.search import Selection
 
 __all__ = ["LOG_ZERO", "CTCPrefixScorer", "CTCPrefixState", "PrefixBeams", "padded_log_probs", "prefix_beam_search"]
 
@@ -42,12 +47,12 @@ def padded_log_probs(log_probs: torch.Tensor, lengths: torch.Tensor, *, blank: i
 class CTCPrefixState:
     """The CTC side of R hypotheses of `length` tokens each (the search is label-synchronous)."""
 
-    x: torch.Tensor  # (T, B, V) padded log-probabilities of the utterances still searched
+    x: torch.Tensor  # (T, B, V) padded log-probabilities of every utterance of the batch (never reordered)
+    utterance: torch.Tensor  # (R,) long, the column of x of each hypothesis
     r: torch.Tensor  # (T, 2, R): log P(hypothesis emitted by frame t, frame t emitting [0] its last token, [1] blank)
     prefix: torch.Tensor  # (R,) log prefix probability of each hypothesis
     last: torch.Tensor  # (R,) long, last token of each hypothesis, -1 when empty
     length: int  # tokens in every hypothesis
-    group: int  # N, rows per utterance
     candidates: torch.Tensor | None = None  # (R, C) the tokens `score_partial` scored last
     candidate_prefix: torch.Tensor | None = None  # (R, C) their prefix probabilities
 
@@ -66,47 +71,48 @@ class CTCPrefixScorer:
     def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> CTCPrefixState:
         """The empty hypothesis in each of the `group` rows of every utterance."""
         x = padded_log_probs(self.ctc_log_probs(memory), memory_lens, blank=self.blank)  # (T, B, V)
-        blanks = x[:, :, self.blank].cumsum(dim=0).repeat_interleave(group, dim=1)  # (T, R): all blank so far
+        utterance = torch.arange(x.size(1) * group, device=x.device) // group  # (R,)
+        blanks = x[:, :, self.blank].cumsum(dim=0).index_select(1, utterance)  # (T, R): all blank so far
         r = torch.stack([torch.full_like(blanks, LOG_ZERO), blanks], dim=1)  # (T, 2, R)
-        rows = blanks.size(1)
-        last = torch.full((rows,), -1, dtype=torch.long, device=x.device)
-        return CTCPrefixState(x, r, blanks.new_zeros(rows), last, 0, group)
+        last = torch.full_like(utterance, -1)
+        return CTCPrefixState(x, utterance, r, blanks.new_zeros(utterance.numel()), last, 0)
 
     def score_partial(self, state: CTCPrefixState, candidates: torch.Tensor) -> tuple[torch.Tensor, CTCPrefixState]:
         """Gain in log prefix probability (R, C) of appending each candidate token to its row's
         hypothesis (for eos: log P(output == hypothesis) - log prefix probability)."""
         start = state.length  # a token after `length` tokens is emitted at frame `length` at the earliest
-        frames = state.x.size(0)
-        r = state.r[max(start - 1, 0):frames - 1, :, :, None]  # (T', 2, R, 1), frames start-1 .. T-2
-        repeat = candidates == state.last[:, None]  # (R, C): a repeat needs a blank in between
-        phi = torch.logaddexp(r[:, 1], torch.where(repeat, LOG_ZERO, r[:, 0]))  # (T', R, C): ready to emit c next
+        r = state.r[max(start - 1, 0):state.x.size(0) - 1]  # (T', 2, R), frames start-1 .. T-2
+        ready = torch.logaddexp(r[:, 0], r[:, 1])  # (T', R): emitted by frame t, any token but the last may follow
+        after_blank = r[:, 1]  # (T', R): the same, a blank last: the last token may follow (a repeat)
         if start == 0:  # before frame 0 the empty hypothesis is emitted with probability 1
-            phi = torch.cat([phi.new_zeros(1, *phi.shape[1:]), phi])
-        x_c = _gather_tokens(state.x[start:], candidates, state.group)  # (T - start, R, C)
-        psi = torch.logsumexp(phi + x_c, dim=0).clamp(min=LOG_ZERO)  # (R, C): over the frame c is first emitted
+            ready = after_blank = torch.cat([ready.new_zeros(1, ready.size(1)), ready])
+        x = state.x[start:]  # (T - start, B, V)
+        psi = _log_inner(ready, _gather_tokens(x, candidates, state.utterance))  # (R, C)
+        x_last = _gather_tokens(x, state.last.clamp(min=0)[:, None], state.utterance)[:, :, 0]  # (T - start, R)
+        repeat = torch.logsumexp(after_blank + x_last, dim=0)  # (R,): one token per row, in log space
+        psi = torch.where(candidates == state.last[:, None], repeat[:, None], psi).clamp(min=LOG_ZERO)
         whole = torch.logaddexp(state.r[-1, 0], state.r[-1, 1])  # (R,): output == hypothesis
         psi = torch.where(candidates == self.eos, whole[:, None], psi)
         return psi - state.prefix[:, None], dataclasses.replace(state, candidates=candidates, candidate_prefix=psi)
 
-    def select_state(self, state: CTCPrefixState, rows: torch.Tensor, tokens: torch.Tensor) -> CTCPrefixState:
-        """The hypotheses rows[i] + tokens[i] (R',), each token one of its row's last candidates.
-        R' < R drops utterances: rows then come in whole groups, N per kept utterance."""
+    def select_state(self, state: CTCPrefixState, selection: Selection) -> CTCPrefixState:
+        """The hypotheses selection.rows[i] + selection.tokens[i] (R',), each token one of its
+        row's last candidates (see asr.search.Selection; the other fields are not needed here)."""
+        rows, tokens = selection.rows, selection.tokens
         column = (state.candidates[rows] == tokens[:, None]).int().argmax(dim=1)  # (R',)
         prefix = state.candidate_prefix[rows].gather(1, column[:, None])[:, 0]
-        x = state.x
-        if rows.numel() != state.r.size(2):
-            x = x.index_select(1, rows.view(-1, state.group)[:, 0] // state.group)
-        r = self._extend(x, state.r[:, :, rows], state.last[rows], tokens, state.length, state.group)
-        return CTCPrefixState(x, r, prefix, tokens, state.length + 1, state.group)
+        utterance = state.utterance[rows]
+        r = self._extend(state.x, utterance, state.r[:, :, rows], state.last[rows], tokens, state.length)
+        return CTCPrefixState(state.x, utterance, r, prefix, tokens, state.length + 1)
 
     def final_score(self, state: CTCPrefixState) -> torch.Tensor:
         """(R,) zeros: ending is scored as the eos candidate."""
         return state.prefix.new_zeros(state.r.size(2))
 
-    def _extend(self, x: torch.Tensor, r: torch.Tensor, last: torch.Tensor, tokens: torch.Tensor,
-                length: int, group: int) -> torch.Tensor:
-        """Forward variables (T, 2, R) of hypotheses (r (T, 2, R), last (R,), `length` tokens)
-        extended by `tokens` (R,).
+    def _extend(self, x: torch.Tensor, utterance: torch.Tensor, r: torch.Tensor, last: torch.Tensor,
+                tokens: torch.Tensor, length: int) -> torch.Tensor:
+        """Forward variables (T, 2, R) of hypotheses (r (T, 2, R), last (R,), `length` tokens, of
+        utterances (R,) = columns of x) extended by `tokens` (R,).
 
         The recursion over frames t (r_token[-1] = r_blank[-1] = log 0)
             r_token[t] = logaddexp(r_token[t-1], phi[t-1]) + x_token[t]
@@ -115,13 +121,27 @@ class CTCPrefixScorer:
         log 1 for the empty hypothesis) is linear in probabilities, so it is solved for all frames
         at once with cumulative sums: r[t] = X[t] + logcumsumexp_{s<=t}(input[s] - X[s-1]), X the
         cumulative sum of the emissions, in float64 (X reaches thousands of nats)."""
-        x_c = _gather_tokens(x, tokens[:, None], group)[:, :, 0].double()  # (T, R)
-        x_b = x[:, :, self.blank].repeat_interleave(group, dim=1).double()  # (T, R)
+        x_c = _gather_tokens(x, tokens[:, None], utterance)[:, :, 0].double()  # (T, R)
+        x_b = x[:, :, self.blank].index_select(1, utterance).double()  # (T, R)
         r = r.double()
         phi = torch.logaddexp(r[:, 1], torch.where(tokens == last, LOG_ZERO, r[:, 0]))  # (T, R)
         r_token = _linear_recursion(_shift(phi, 0.0 if length == 0 else LOG_ZERO), x_c)
         r_blank = _linear_recursion(_shift(r_token, float("-inf")), x_b)
         return torch.stack([r_token, r_blank], dim=1).clamp(min=LOG_ZERO).to(x.dtype)
+
+
+def _log_inner(ready: torch.Tensor, emit: torch.Tensor) -> torch.Tensor:
+    """log sum_t exp(ready[t, r] + emit[t, r, c]) (R, C) of ready (T, R) and emit (T, R, C) <= 0:
+    the probability that the token is first emitted at some frame t (ready by frame t - 1, emitted
+    at t). Summed as probabilities in float64 with each row scaled by its largest ready value, so
+    that only terms more than ~700 nats below that underflow (to -inf; the caller floors at LOG_ZERO):
+    one pass of products over (T, R, C), where a log-space sum takes several of exp and log."""
+    if emit.size(0) == 0:  # no frames left to emit in
+        return emit.new_full(emit.shape[1:], float("-inf"))
+    top = ready.max(dim=0).values  # (R,)
+    weights = (ready - top).double().exp()  # (T, R) in [0, 1]
+    total = torch.einsum("tr,trc->rc", weights, emit.double().exp())
+    return (total.log() + top.double()[:, None]).to(emit.dtype)
 
 
 def _shift(a: torch.Tensor, first: float) -> torch.Tensor:
@@ -135,10 +155,9 @@ def _linear_recursion(inputs: torch.Tensor, emissions: torch.Tensor) -> torch.Te
     return total + torch.logcumsumexp(inputs - _shift(total, 0.0), dim=0)
 
 
-def _gather_tokens(x: torch.Tensor, tokens: torch.Tensor, group: int) -> torch.Tensor:
-    """x (T, B, V), tokens (R, C) of rows grouped N = group per utterance -> (T, R, C) x[t, r // N, tokens[r, c]]."""
+def _gather_tokens(x: torch.Tensor, tokens: torch.Tensor, utterance: torch.Tensor) -> torch.Tensor:
+    """x (T, B, V), tokens (R, C) of rows of utterances (R,) -> (T, R, C) x[t, utterance[r], tokens[r, c]]."""
     frames, batch, vocab = x.shape
-    utterance = torch.arange(tokens.size(0), device=tokens.device) // group  # (R,)
     flat = (utterance[:, None] * vocab + tokens).flatten()  # (R * C,)
     return x.reshape(frames, batch * vocab).index_select(1, flat).view(frames, *tokens.shape)
 

@@ -14,15 +14,18 @@ sos / eos) of the beam searches is
     (1 - ctc_weight) * log P_att(y, eos) + ctc_weight * log P_ctc(y) + length_bonus * len(y)
 
 (attention: the decoder's log-probabilities of y's tokens and of the eos after them; CTC: of the
-output being exactly y, summed over alignments). An utterance gets at most
-floor(max_len_ratio * encoder frames) tokens: a hypothesis cut there ends without being charged
-for an eos (as in ESPnet and in greedy search), so its terms are log P_att(y) and the CTC prefix
-probability of y.
+output being exactly y, summed over alignments). An utterance gets at most `max_lengths` tokens,
+floor(max_len_ratio * encoder frames) and, when the model knows the label rate r of its training
+data (tokens per second, ModelConfig.tokens_per_second), ceil(max_rate_factor * r * seconds) +
+RATE_SLACK: a model that fails to end (a degenerate or badly matched one) then stops at a few
+times the length it was trained on rather than at one token per encoder frame. A hypothesis cut
+there ends without being charged for an eos (as in ESPnet and in greedy search), so its terms are
+log P_att(y) and the CTC prefix probability of y.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -33,15 +36,15 @@ from asr.model.asr_model import BLANK
 MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
 
 __all__ = [
-    "MODES", "SEARCHES", "BeamSearch", "DecoderScorer", "FullScorer", "Hypothesis", "PartialScorer",
-    "SearchOptions", "attention_greedy", "beam_search", "ctc_greedy", "ctc_rescore", "decode_memory", "max_lengths",
-    "search", "search_nbest", "teacher_forced_scores",
+    "MODES", "RATE_SLACK", "SEARCHES", "BeamSearch", "DecoderScorer", "FullScorer", "Hypothesis", "PartialScorer",
+    "SearchOptions", "Selection", "attention_greedy", "beam_search", "ctc_greedy", "ctc_rescore", "decode_memory",
+    "length_limits", "max_lengths", "search", "search_nbest", "teacher_forced_scores",
 ]
 
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """How to decode; validated once, here. `greedy` and `ctc_greedy` read only max_len_ratio.
+    """How to decode; validated once, here. `greedy` and `ctc_greedy` read only the length limits.
     The other fields' defaults are the recommended beam search: SearchOptions(mode="attention")."""
 
     mode: str = "greedy"  # greedy: the decoder's best token at each step (what training validates
@@ -51,6 +54,8 @@ class SearchOptions:
     ctc_weight: float = 0.3  # weight of the CTC score; the decoder's is 1 - ctc_weight
     length_bonus: float = 0.0  # added to the score per output token (eos not counted)
     max_len_ratio: float = 1.0  # at most floor(ratio * encoder frames) tokens per utterance
+    max_rate_factor: float = 2.0  # and at most ceil(factor * training label rate * seconds) + RATE_SLACK
+    # when the model knows that rate; 0 = no such cap
     pre_beam_ratio: float = 1.5  # CTC scores the int(ratio * beam_size) best tokens of the decoder + eos
     nbest: int = 1  # hypotheses returned per utterance, at most beam_size
 
@@ -60,6 +65,7 @@ class SearchOptions:
             ("beam_size", self.beam_size >= 1, "must be at least 1"),
             ("ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]"),
             ("max_len_ratio", self.max_len_ratio > 0, "must be positive"),
+            ("max_rate_factor", self.max_rate_factor == 0 or self.max_rate_factor >= 1, "must be 0 (off) or >= 1"),
             ("pre_beam_ratio", self.pre_beam_ratio >= 1.0, "must be at least 1"),
             ("nbest", 1 <= self.nbest <= self.beam_size, f"must be in [1, beam_size = {self.beam_size}]"),
         )
@@ -78,9 +84,87 @@ class Hypothesis:
     score: float
 
 
-def max_lengths(memory_lens: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Maximum tokens per utterance (B,) long: floor(ratio * encoder frames)."""
-    return (memory_lens.double() * ratio).floor().long()
+RATE_SLACK = 10  # tokens allowed beyond the label-rate cap: short utterances, bursts of fast speech
+
+
+def max_lengths(memory_lens: torch.Tensor, ratio: float, *, tokens_per_frame: float = 0.0,
+                rate_factor: float = 2.0) -> torch.Tensor:
+    """Maximum tokens per utterance (B,) long: floor(ratio * encoder frames), and, given the
+    training label rate in tokens per encoder frame (0: unknown; rate_factor 0: no cap), at most
+    ceil(rate_factor * tokens_per_frame * frames) + RATE_SLACK."""
+    frames = memory_lens.double()
+    limits = (frames * ratio).floor()
+    if tokens_per_frame > 0 and rate_factor > 0:
+        limits = torch.minimum(limits, (frames * (rate_factor * tokens_per_frame)).ceil() + RATE_SLACK)
+    return limits.long()
+
+
+def length_limits(model: ASRModel, memory_lens: torch.Tensor, ratio: float, rate_factor: float) -> torch.Tensor:
+    """`max_lengths` (B,) with the model's training label rate."""
+    config = model.config
+    return max_lengths(memory_lens, ratio, tokens_per_frame=config.tokens_per_second / config.frames_per_second,
+                       rate_factor=rate_factor)
+
+
+# ---------------------------------------------------------------------------------------------
+# which hypotheses go on, and where
+
+
+class Selection(NamedTuple):
+    """The hypotheses that go on after a step: row i of the new states continues row rows[i] with
+    tokens[i]. R' < R drops utterances: rows then come in whole groups, N per kept utterance, and
+    group u of the new rows is utterance utterances[u] of the old ones. The other fields tell a
+    scorer which rows it may leave where they are (the search knows them without a host sync;
+    None: unknown, for the scorer to find)."""
+
+    rows: torch.Tensor  # (R',) long
+    tokens: torch.Tensor  # (R',) long
+    utterances: torch.Tensor  # (B',) long
+    moved: torch.Tensor | None = None  # (M,) long, the rows i with rows[i] != i, ascending
+    shared: torch.Tensor | None = None  # (M,) long: the decoder inputs (sos, then tokens), counted
+    # from the first, that the hypothesis moved into row i shares with the one row i held, of the
+    # same utterance (else 0)
+    copies: int = 0  # sum over the moved rows of (inputs so far - shared): the inputs that differ
+    moved_utterances: torch.Tensor | None = None  # (U,) long, the u with utterances[u] != u, ascending
+
+    @staticmethod
+    def of(rows: torch.Tensor, tokens: torch.Tensor, group: int) -> Selection:
+        """The Selection of rows (R',) and tokens (R',) alone, N = group rows per utterance."""
+        return Selection(rows, tokens, rows.view(-1, group)[:, 0] // group)
+
+
+def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of the True entries of mask (n,), ascending, given their `count`: no host sync."""
+    return torch.argsort((~mask).to(torch.int8), stable=True)[:count]
+
+
+def _fill_holes(stay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An order of the staying entries of stay (B,) bool that moves as few as possible: those of
+    the first K = stay.sum() positions stay where they are, the others fill the holes there in
+    order. Returns (order (B,): order[:K] the entries kept, holes (B,) bool: the positions < K
+    filled from behind, K as a 0-d tensor), all on the device."""
+    count = stay.sum()
+    positions = torch.arange(stay.numel(), device=stay.device)
+    below = positions < count
+    holes = below & ~stay
+    behind = torch.argsort((below | ~stay).to(torch.int8), stable=True)  # the staying ones past K first
+    return torch.where(holes, behind[(holes.cumsum(0) - 1).clamp(min=0)], positions), holes, count
+
+
+def _stable_slots(parents: torch.Tensor) -> torch.Tensor:
+    """Where the N hypotheses chosen for each utterance go: parents (B, N) the row (within its
+    utterance) each continues, best first -> slot_of (B, N), slot s holding hypothesis slot_of[b, s].
+
+    The best child of each parent takes the parent's own row; the other children take, in order,
+    the rows of the parents without children. So a hypothesis moves only when it takes over the
+    row of a dead branch, and no row is both read from and written to."""
+    batch, n = parents.shape
+    hypothesis = torch.arange(n, device=parents.device).expand(batch, n)
+    best_child = torch.full_like(parents, n).scatter_reduce_(1, parents, hypothesis, "amin")  # (B, N) per row
+    first = best_child.gather(1, parents) == hypothesis  # (B, N)
+    free = torch.argsort((best_child < n).to(torch.int8), dim=1, stable=True)  # rows without a child first
+    slot = torch.where(first, parents, free.gather(1, ((~first).cumsum(dim=1) - 1).clamp(min=0)))
+    return torch.empty_like(slot).scatter_(1, slot, hypothesis)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,9 +181,8 @@ class FullScorer(Protocol):
         """Log-probabilities (R, V) of the next token after each row's last token (R,) (sos
         first), and the state that has read those tokens."""
 
-    def select_state(self, state: Any, rows: torch.Tensor, tokens: torch.Tensor) -> Any:
-        """Row i of the new state continues row rows[i] (R',) with tokens[i]; R' < R drops
-        utterances (rows then come in whole groups, N per kept utterance)."""
+    def select_state(self, state: Any, selection: Selection) -> Any:
+        """The state of the hypotheses `selection` keeps (see Selection)."""
 
     def final_score(self, state: Any) -> torch.Tensor:
         """(R,) added to a hypothesis when it ends."""
@@ -113,26 +196,28 @@ class PartialScorer(Protocol):
     def score_partial(self, state: Any, candidates: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Scores (R, C) of appending candidates (R, C) (eos: of ending), and the state that knows them."""
 
-    def select_state(self, state: Any, rows: torch.Tensor, tokens: torch.Tensor) -> Any: ...
+    def select_state(self, state: Any, selection: Selection) -> Any: ...
 
     def final_score(self, state: Any) -> torch.Tensor: ...
 
 
 class DecoderScorer:
     """The attention decoder as a FullScorer; its state is the DecoderCache (cross-attention keys
-    and values projected once per utterance, shared by the N rows of the utterance)."""
+    and values projected once per utterance, shared by the N rows of the utterance), made for
+    `max_len` steps."""
 
-    def __init__(self, decoder: TransformerDecoder) -> None:
-        self.decoder = decoder
+    def __init__(self, decoder: TransformerDecoder, max_len: int = 64) -> None:
+        self.decoder, self.max_len = decoder, max_len
 
     def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> DecoderCache:
-        return self.decoder.init_cache(memory, memory_lens, rows=memory.size(0) * group)
+        return self.decoder.init_cache(memory, memory_lens, rows=memory.size(0) * group, capacity=self.max_len)
 
     def score(self, state: DecoderCache, last_tokens: torch.Tensor) -> tuple[torch.Tensor, DecoderCache]:
         return self.decoder.step(last_tokens, None, None, state)  # memory is read from the cache
 
-    def select_state(self, state: DecoderCache, rows: torch.Tensor, tokens: torch.Tensor) -> DecoderCache:
-        return state.reorder(rows)
+    def select_state(self, state: DecoderCache, selection: Selection) -> DecoderCache:
+        return state.reorder(selection.rows, moved=selection.moved, shared=selection.shared,
+                             copies=selection.copies, moved_groups=selection.moved_utterances)
 
     def final_score(self, state: DecoderCache) -> torch.Tensor:
         return torch.zeros(state.rows, device=state.self_kv.device)  # ending is scored as the eos token
@@ -149,10 +234,12 @@ class BeamSearch:
     best K tokens (eos and `excluded` aside) and eos are each row's candidates; the partial scorers
     score those; weighted sums (weights by scorer name) plus `length_bonus` per token rank the
     N * C candidates of each utterance. Eos candidates among an utterance's best N end (kept,
-    the best N per utterance); the best N others continue. An utterance leaves the batch when
-    it has N ended hypotheses, when it reached its maximum length (all cut), or when (with
-    length_bonus <= 0, so scores only fall) its nbest-th ended hypothesis beats every running
-    one. One host synchronization per step: which utterances stay.
+    the best N per utterance); the best N others continue, each in its parent's row where it can
+    (see _stable_slots: the order of the rows of an utterance means nothing). An utterance leaves
+    the batch when it has N ended hypotheses, when it reached its maximum length (all cut), or
+    when (with length_bonus <= 0, so scores only fall) its nbest-th ended hypothesis beats every
+    running one; the utterances behind fill its rows. One host synchronization per step: how many
+    utterances and rows stay and move.
     """
 
     def __init__(self, *, full: dict[str, FullScorer], partial: dict[str, PartialScorer], weights: dict[str, float],
@@ -175,10 +262,11 @@ class BeamSearch:
             candidates, scores = self._expand(run, t, excluded)  # (R, C) each
             ended.add(run, candidates, scores, self.beam)
             best = self._best_running(scores)  # (B, N) each
-            keep = self._staying(run, ended, best.values, t).nonzero()[:, 0]  # the step's host sync
-            if keep.numel() == 0:
+            stay = self._staying(run, ended, best.values, t)
+            chosen = self._select(run, stay, best, candidates)  # the step's host sync
+            if chosen is None:
                 break
-            run = self._advance(run, keep, best, candidates)
+            run = self._advance(run, *chosen)
         return ended.hypotheses(self.nbest)
 
     def _expand(self, run: _Running, t: int, excluded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,10 +285,11 @@ class BeamSearch:
         for name, scorer in {**self.full, **self.partial}.items():
             final = final + self.weights[name] * scorer.final_score(run.states[name])
         scores[:, -1] += final
-        scores[:, :-1] += self.length_bonus
+        if self.length_bonus:
+            scores[:, :-1] += self.length_bonus
         at_limit = (run.limits <= t).repeat_interleave(self.beam)  # (R,): cut, without an eos charge
         scores[:, -1] = torch.where(at_limit, run.scores + final, scores[:, -1])
-        scores[:, :-1] = scores[:, :-1].masked_fill(at_limit[:, None], float("-inf"))
+        scores[:, :-1].masked_fill_(at_limit[:, None], float("-inf"))
         return candidates, scores
 
     def _best_running(self, scores: torch.Tensor) -> torch.return_types.topk:
@@ -218,19 +307,61 @@ class BeamSearch:
             done |= done_scores[:, self.nbest - 1] >= best[:, 0]
         return ~done
 
-    def _advance(self, run: _Running, keep: torch.Tensor, best: torch.return_types.topk,
-                 candidates: torch.Tensor) -> _Running:
-        """The running hypotheses of the kept utterances (B',) after this step's choices."""
+    def _select(self, run: _Running, stay: torch.Tensor, best: torch.return_types.topk,
+                candidates: torch.Tensor) -> tuple[Selection, torch.Tensor] | None:
+        """The best N running candidates (best (B, N) into each utterance's N * C candidates) of
+        the staying utterances (stay (B,) bool): their Selection and scores (R',); None when no
+        utterance stays. Makes the step's one host synchronization: how many rows stay and move."""
         n, c = self.beam, candidates.size(1)
-        index = best.indices[keep]  # (B', N) into the N * C candidates of each kept utterance
-        rows = (keep[:, None] * n + index // c).flatten()  # (R',) the row each new row continues
-        tokens = candidates.view(-1, n * c)[keep].gather(1, index).flatten()  # (R',)
+        slot_of = _stable_slots(best.indices // c)  # (B, N)
+        index = best.indices.gather(1, slot_of)  # (B, N), by the row (within the utterance) each goes to
+        parent, values = index // c, best.values.gather(1, slot_of)  # (B, N) each: the row each continues
+        tokens = candidates.view(-1, n * c).gather(1, index)  # (B, N)
+        shared = self._shared_inputs(run, parent)  # (B, N)
+        own = torch.arange(n, device=parent.device)  # (N,)
+        moved = parent != own  # (B, N)
+        kept = stay.cumsum(0)  # (B,)
+        in_place = (stay & (torch.arange(stay.numel(), device=stay.device) < kept[-1]))[:, None]  # (B, 1)
+        holes = kept[-1] - kept[(kept[-1] - 1).clamp(min=0)]  # utterances that move to the first kept[-1] groups
+        stats = torch.stack([kept[-1], holes, (moved & in_place).sum(),
+                             torch.where(moved & in_place, run.length + 1 - shared, 0).sum()])
+        count, n_holes, n_moved, copies = stats.tolist()  # the step's host sync
+        if count == 0:
+            return None
+        utterances = torch.arange(count, device=stay.device)
+        moved_utterances = utterances[:0]
+        if count < stay.numel():  # dropping: the utterances behind fill the holes
+            order, filled, _ = _fill_holes(stay)
+            utterances, filled = order[:count], filled[:count]
+            moved_utterances = _true_positions(filled, n_holes)
+            parent, tokens, values, shared = (x[utterances] for x in (parent, tokens, values, shared))
+            moved = (parent != own) | filled[:, None]  # an utterance that moves moves all its rows
+            shared = shared.masked_fill(filled[:, None], 0)  # another utterance's rows: nothing shared
+            n_moved, copies = n_moved + n_holes * n, copies + n_holes * n * (run.length + 1)
+        rows = (utterances[:, None] * n + parent).flatten()  # (R',)
+        moved = _true_positions(moved.flatten(), n_moved)
+        selection = Selection(rows, tokens.flatten(), utterances, moved, shared.flatten()[moved], copies,
+                              moved_utterances)
+        return selection, values.flatten()
+
+    @staticmethod
+    def _shared_inputs(run: _Running, parent: torch.Tensor) -> torch.Tensor:
+        """(B, N): the decoder inputs (sos, then tokens), counted from the first, that the
+        hypothesis in row n of each utterance shares with the one in its row parent[b, n]."""
+        if run.length == 0:
+            return torch.ones_like(parent)  # sos alone
+        history = run.history[:, :run.length].view(*parent.shape, run.length)  # (B, N, length)
+        differ = history.gather(1, parent[..., None].expand_as(history)) != history
+        return 1 + torch.where(differ.any(dim=2), differ.int().argmax(dim=2), run.length)
+
+    def _advance(self, run: _Running, selection: Selection, scores: torch.Tensor) -> _Running:
+        """The running hypotheses after this step's choices (scores (R',))."""
         for name, scorer in {**self.full, **self.partial}.items():
-            run.states[name] = scorer.select_state(run.states[name], rows, tokens)
-        history = run.history[rows]
-        history[:, run.length] = tokens
-        return _Running(run.states, best.values[keep].flatten(), tokens, history, run.length + 1,
-                        run.utterances[keep], run.limits[keep])
+            run.states[name] = scorer.select_state(run.states[name], selection)
+        history = run.history[selection.rows]
+        history[:, run.length] = selection.tokens
+        return _Running(run.states, scores, selection.tokens, history, run.length + 1,
+                        run.utterances[selection.utterances], run.limits[selection.utterances])
 
 
 @dataclass
@@ -305,13 +436,14 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
         partial["ctc"] = CTCPrefixScorer(model.ctc_log_probs, eos=eos, blank=BLANK)
     excluded = (BLANK,) if partial else ()
     pre_beam = options.beam_size if not partial else int(options.pre_beam_ratio * options.beam_size)
+    limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
     search = BeamSearch(
-        full={"decoder": DecoderScorer(model.decoder)}, partial=partial,
+        full={"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1)}, partial=partial,
         weights={"decoder": 1.0 - weight, "ctc": weight}, pre_beam="decoder", beam_size=options.beam_size,
         pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
         length_bonus=options.length_bonus, nbest=options.nbest,
     )
-    return search(memory, memory_lens, max_lengths(memory_lens, options.max_len_ratio))
+    return search(memory, memory_lens, limits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,14 +452,14 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
 
 @torch.no_grad()
 def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
-                     max_len_ratio: float = 1.0) -> list[Hypothesis]:
+                     max_len_ratio: float = 1.0, max_rate_factor: float = 2.0) -> list[Hypothesis]:
     """Greedy decoding with the cached decoder, all utterances at once.
 
-    An utterance stops at eos or after max_lengths(memory_lens, max_len_ratio) tokens, and leaves
-    the batch then (its cache rows are dropped). One host synchronization per step.
+    An utterance stops at eos or after length_limits(...) tokens (see SearchOptions), and leaves
+    the batch then (the last rows fill its cache row). One host synchronization per step.
     """
     eos, batch = model.config.eos, memory.size(0)
-    limits = max_lengths(memory_lens, max_len_ratio)  # (B,)
+    limits = length_limits(model, memory_lens, max_len_ratio, max_rate_factor)  # (B,)
     rows = (limits > 0).nonzero()[:, 0]  # (R,) utterance of each live row
     if rows.numel() == 0:
         return [Hypothesis((), 0.0) for _ in range(batch)]
@@ -341,11 +473,16 @@ def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.T
         best_lp, last = log_probs.max(dim=-1)  # (R,)
         tokens[rows, t] = last
         scores[rows] += best_lp
-        live = ((last != eos) & (limits[rows] > t + 1)).nonzero()[:, 0]  # the step's host sync
-        if live.numel() == 0:
+        stay = (last != eos) & (limits[rows] > t + 1)  # (R,)
+        kept = stay.cumsum(0)  # (R,)
+        holes = kept[-1] - kept[(kept[-1] - 1).clamp(min=0)]  # rows to stay past the first kept[-1] ones
+        count, n_holes = torch.stack([kept[-1], holes]).tolist()  # the step's host sync
+        if count == 0:
             break
-        if live.numel() < rows.numel():
-            rows, last, cache = rows[live], last[live], cache.reorder(live)
+        if count < rows.numel():
+            order, holes, _ = _fill_holes(stay)
+            order, moved = order[:count], _true_positions(holes[:count], n_holes)
+            rows, last, cache = rows[order], last[order], cache.reorder(order, moved=moved, moved_groups=moved)
     return [_hypothesis(row, eos, score) for row, score in zip(tokens.tolist(), scores.tolist())]
 
 
@@ -357,16 +494,16 @@ def _hypothesis(row: list[int], eos: int, score: float) -> Hypothesis:
 
 @torch.no_grad()
 def ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
-               max_len_ratio: float = 1.0) -> list[Hypothesis]:
+               max_len_ratio: float = 1.0, max_rate_factor: float = 2.0) -> list[Hypothesis]:
     """Best-path CTC decoding: the most likely token per frame, repeats merged, blanks removed,
-    cut to max_lengths(memory_lens, max_len_ratio) tokens."""
+    cut to length_limits(...) tokens (see SearchOptions)."""
     log_probs = model.ctc_log_probs(memory)  # (B, T, V)
     best_lp, best = log_probs.max(dim=-1)  # (B, T)
     valid = torch.arange(best.size(1), device=best.device) < memory_lens[:, None]  # (B, T)
     previous = torch.cat([best.new_full((best.size(0), 1), -1), best[:, :-1]], dim=1)
     emit = valid & (best != previous) & (best != BLANK)  # (B, T)
     scores = (best_lp * valid).sum(dim=1)
-    limits = max_lengths(memory_lens, max_len_ratio).tolist()
+    limits = length_limits(model, memory_lens, max_len_ratio, max_rate_factor).tolist()
     best, emit = best.cpu(), emit.cpu()  # one transfer, then per-utterance selection on the host
     return [
         Hypothesis(tuple(row[keep].tolist()[:limit]), score)
@@ -387,7 +524,7 @@ def ctc_rescore(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
     teacher-forced decoder: (1 - ctc_weight) * attention + ctc_weight * CTC + length_bonus * len."""
     eos = model.config.eos
     log_probs = model.ctc_log_probs(memory).index_fill(2, torch.tensor([eos], device=memory.device), float("-inf"))
-    limits = max_lengths(memory_lens, options.max_len_ratio)
+    limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
     beams = prefix_beam_search(log_probs, memory_lens, beam=options.beam_size, max_lens=limits, blank=BLANK)
     att = teacher_forced_scores(model, memory, memory_lens, beams.tokens, beams.lengths)  # (B, N)
     att = att.masked_fill((memory_lens == 0)[:, None], 0.0)  # no frames: the empty hypothesis scores 0
@@ -427,12 +564,14 @@ def teacher_forced_scores(model: ASRModel, memory: torch.Tensor, memory_lens: to
 
 def _greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
             options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
-    return [(h,) for h in attention_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio)]
+    return [(h,) for h in attention_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio,
+                                           max_rate_factor=options.max_rate_factor)]
 
 
 def _ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                 options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
-    return [(h,) for h in ctc_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio)]
+    return [(h,) for h in ctc_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio,
+                                     max_rate_factor=options.max_rate_factor)]
 
 
 SEARCHES = {"attention": beam_search, "greedy": _greedy, "ctc_greedy": _ctc_greedy, "ctc_rescore": ctc_rescore}

@@ -3,13 +3,25 @@ log-probabilities + length term + CTC part, the maximum length, the options."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from asr.model import ASRModel, ModelConfig
-from asr.search import Hypothesis, SearchOptions, decode_memory, search, search_nbest, teacher_forced_scores
+from asr.search import (
+    RATE_SLACK,
+    Hypothesis,
+    SearchOptions,
+    _fill_holes,
+    _stable_slots,
+    decode_memory,
+    search,
+    search_nbest,
+    teacher_forced_scores,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -169,6 +181,67 @@ def test_a_model_that_never_ends_stops_at_the_maximum_length():
             assert len(best.tokens) <= int(n * 0.2)
 
 
+def test_the_training_label_rate_caps_the_length():
+    """A model that never ends, knowing its training label rate r (tokens per second), stops at
+    min(floor(max_len_ratio * frames), ceil(max_rate_factor * r * seconds) + RATE_SLACK) tokens
+    in every mode (CTC modes: at most that); max_rate_factor 0 turns the cap off."""
+    model = tiny_model(5)
+    with torch.no_grad():
+        model.decoder.output.bias[model.config.eos] = -1e4  # eos never wins
+    model.config = dataclasses.replace(model.config, tokens_per_second=2.0)
+    memory, lens = random_memory(model, LENGTHS, 5)
+    seconds = [n / model.config.frames_per_second for n in LENGTHS]  # 25 encoder frames per second
+    capped = [min(n, math.ceil(2.0 * 2.0 * s) + RATE_SLACK) for n, s in zip(LENGTHS, seconds)]
+    assert capped != LENGTHS
+    for mode in ("greedy", "attention", "ctc_greedy", "ctc_rescore"):
+        for factor, want in ((2.0, capped), (0.0, LENGTHS)):
+            options = SearchOptions(mode=mode, beam_size=3, ctc_weight=0.0, max_rate_factor=factor)
+            got = [len(nbest[0].tokens) for nbest in decode_memory(model, memory, lens, options)]
+            if mode.startswith("ctc"):
+                assert all(g <= w for g, w in zip(got, want)), (mode, factor)
+            else:
+                assert got == want, (mode, factor)
+
+
+def test_stable_slots_keep_each_parents_best_child_in_its_row():
+    """The best child of a parent row takes that row; the others take, in order, rows without children."""
+    g = torch.Generator().manual_seed(0)
+    parents = torch.randint(0, 6, (300, 6), generator=g)
+    for row_parents, slot_of in zip(parents.tolist(), _stable_slots(parents).tolist()):
+        assert sorted(slot_of) == list(range(6))
+        others = [slot for slot, i in enumerate(slot_of) if row_parents.index(row_parents[i]) != i]
+        for slot, i in enumerate(slot_of):
+            if row_parents.index(row_parents[i]) == i:  # the best child of its parent
+                assert slot == row_parents[i]
+            else:
+                assert slot not in row_parents
+        assert [slot_of[slot] for slot in others] == sorted(slot_of[slot] for slot in others)
+
+
+def test_fill_holes_moves_only_what_stays_past_the_kept_count():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        stay = torch.rand(7, generator=g) < 0.5
+        order, holes, count = _fill_holes(stay)
+        k = int(count)
+        assert k == int(stay.sum()) and sorted(order[:k].tolist()) == stay.nonzero()[:, 0].tolist()
+        for i in range(k):
+            assert (order[i] == i) == bool(stay[i]) and bool(holes[i]) == (not stay[i])
+        assert order[:k][holes[:k]].tolist() == sorted(order[:k][holes[:k]].tolist())
+
+
+@pytest.mark.parametrize("mode", ["attention", "greedy", "ctc_rescore"])
+def test_search_under_bf16_autocast(mode):
+    """Under CPU bf16 autocast (what the GPU path runs) every search runs and scores in float32."""
+    model = tiny_model(9, dtype=torch.float32)
+    memory, lens = random_memory(model, LENGTHS, 9)
+    options = dataclasses.replace(JOINT, mode=mode)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found = decode_memory(model, memory, lens, options)
+    assert len(found) == len(LENGTHS)
+    assert all(math.isfinite(h.score) and len(h.tokens) <= n for nbest, n in zip(found, LENGTHS) for h in nbest)
+
+
 def test_empty_encoder_output_gives_an_empty_hypothesis():
     model = tiny_model(6)
     memory, _ = random_memory(model, [5, 5], 6)
@@ -191,7 +264,7 @@ def test_search_runs_the_encoder_and_defaults_to_greedy():
 
 @pytest.mark.parametrize("field, value", [
     ("mode", "beam"), ("beam_size", 0), ("ctc_weight", 1.5), ("max_len_ratio", 0.0), ("pre_beam_ratio", 0.5),
-    ("nbest", 11),
+    ("nbest", 11), ("max_rate_factor", 0.5),
 ])
 def test_options_are_validated(field, value):
     with pytest.raises(ValueError, match=f"decoding.{field} = "):
@@ -208,3 +281,21 @@ def test_cuda_equals_cpu(mode):
     cuda = decode_memory(model.cuda(), memory.cuda(), lens.cuda(), options)
     assert [[h.tokens for h in n] for n in cpu] == [[h.tokens for h in n] for n in cuda]
     assert [h.score for n in cpu for h in n] == pytest.approx([h.score for n in cuda for h in n], abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["attention", "greedy"])
+def test_at_most_one_host_sync_per_step_on_cuda(mode):
+    """CUDA's sync debug mode counts the host synchronizations of a search: one per step, plus a
+    few to start (the longest limit) and to end (the results)."""
+    model = tiny_model(8, dtype=torch.float32).cuda()
+    memory, lens = random_memory(model, LENGTHS, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            decode_memory(model, memory.cuda(), lens.cuda(), dataclasses.replace(JOINT, mode=mode))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    assert syncs <= max(LENGTHS) + 1 + 8, syncs

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asr.ctc_prefix import LOG_ZERO, CTCPrefixScorer, prefix_beam_search
+from asr.search import Selection
 
 BLANK, EOS = 0, 4  # vocabulary: blank, three tokens 1..3, eos
 V = 5
@@ -79,10 +80,10 @@ def test_prefix_scores_equal_brute_force(seed):
         rows = [2 * utts.index(u) + j for u in keep for j in (1, 0)]
         tokens = [(hyps[r][-1] if hyps[r] else 1) if i % 2 == 0 else (hyps[r][-1] % 3 + 1 if hyps[r] else 2)
                   for i, r in enumerate(rows)]
-        state = scorer.select_state(state, torch.tensor(rows), torch.tensor(tokens))
+        state = scorer.select_state(state, Selection.of(torch.tensor(rows), torch.tensor(tokens), 2))
         hyps = [hyps[r] + (t,) for r, t in zip(rows, tokens)]
         utts, candidates = keep, candidates[: len(rows)]
-        assert state.x.size(1) == len(utts) and state.r.size(2) == len(rows)
+        assert state.utterance.tolist() == [u for u in keep for _ in (0, 1)] and state.r.size(2) == len(rows)
     assert scorer.final_score(state).tolist() == [0.0] * len(hyps)
 
 
@@ -96,7 +97,7 @@ def test_gains_telescope_to_whole_sequence_probability():
         gains, state = scorer.score_partial(state, torch.tensor([[1, 2, 3, EOS]]))
         total += gains[0, [1, 2, 3, EOS].index(token)].item()
         if token != EOS:
-            state = scorer.select_state(state, torch.tensor([0]), torch.tensor([token]))
+            state = scorer.select_state(state, Selection.of(torch.tensor([0]), torch.tensor([token]), 1))
     nll = torch.nn.functional.ctc_loss(log_probs.transpose(0, 1), torch.tensor([path[:-1]]), torch.tensor([30]),
                                        torch.tensor([5]), blank=BLANK, reduction="sum")
     assert total == pytest.approx(-nll.item(), abs=1e-4)

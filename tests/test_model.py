@@ -167,7 +167,7 @@ def test_cached_decoding_matches_forward():
     for t in range(steps):
         log_probs, cache = model.decoder.step(tokens[:, t], memory, memory_lens, cache)
         torch.testing.assert_close(log_probs, want[:, t], atol=1e-5, rtol=1e-5)
-    assert cache.length == steps and cache.self_kv.size(4) >= steps and cache.memory_kv.size(2) == 2
+    assert cache.length == steps and cache.capacity >= steps and cache.memory_kv.size(2) == 2
 
 
 @torch.inference_mode()
@@ -190,6 +190,34 @@ def test_cache_reorder_and_drop():
     utts = torch.tensor([2, 2, 0, 0])
     want = model.decoder(history[:, :5], torch.full((4,), 5), memory[utts], memory_lens[utts])[:, 4]
     torch.testing.assert_close(log_probs, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_cache_reorder_with_hints_copies_only_what_differs():
+    """Beam search's hints (the moved rows, the inputs each shares with the row it replaces, the
+    utterances that moved) give the cache of the reordered histories, as the teacher-forced
+    forward computes it, and the positions the hints call shared are left alone."""
+    model = small_model()
+    g = torch.Generator().manual_seed(8)
+    memory, memory_lens = torch.randn(3, 12, 32, generator=g), torch.tensor([12, 7, 10])
+    history = torch.cat([torch.full((9, 1), model.config.sos), torch.randint(2, 12, (9, 6), generator=g)], 1)
+    history[5, :4] = history[3, :4]  # rows 3 and 5 (utterance 1) share their first 4 inputs
+    cache = None
+    for t in range(5):
+        _, cache = model.decoder.step(history[:, t], memory, memory_lens, cache)
+    # utterance 0 ends and utterance 2 (rows 6..8) fills its rows; row 5 takes row 3's hypothesis
+    index = torch.tensor([6, 7, 8, 3, 4, 3])
+    shared_part = cache.self_kv[:, :, 5, :4].mul_(1 + 1e-7).clone()  # marked: a copy would undo it
+    cache.self_kv[:, :, 5, 4] = 1e6  # differs: must be overwritten
+    cache = cache.reorder(index, moved=torch.tensor([0, 1, 2, 5]), shared=torch.tensor([0, 0, 0, 4]),
+                          copies=3 * 5 + 1, moved_groups=torch.tensor([0]))
+    assert torch.equal(cache.self_kv[:, :, 5, :4], shared_part)
+    history = history[index]
+    log_probs, cache = model.decoder.step(history[:, 5], memory, memory_lens, cache)
+    utts = torch.tensor([2, 2, 2, 1, 1, 1])
+    want = model.decoder(history[:, :6], torch.full((6,), 6), memory[utts], memory_lens[utts])[:, 5]
+    torch.testing.assert_close(log_probs, want, atol=1e-5, rtol=1e-5)
+    assert cache.rows == 6 and cache.memory_kv.size(2) == 2
 
 
 def test_short_input_gives_empty_output():
@@ -311,6 +339,16 @@ def test_ctc_feasibility_at_build():
         build_model(dataclasses.replace(SMALL, subsampling=8), tokens_per_second=14.0)
     assert "\n" not in str(e.value)
     assert build_model(ModelConfig(**_small_dict(vocab_size=0)), vocab_size=40).config.vocab_size == 40
+
+
+def test_build_model_keeps_the_training_label_rate():
+    """The rate build_model checks is kept in the config (saved in model files); files without it load as 0."""
+    model = build_model(SMALL, tokens_per_second=7.5)
+    assert model.config.tokens_per_second == 7.5 and dataclasses.asdict(model.config)["tokens_per_second"] == 7.5
+    old_file = {k: v for k, v in dataclasses.asdict(SMALL).items() if k != "tokens_per_second"}
+    assert ModelConfig(**old_file).tokens_per_second == 0.0
+    with pytest.raises(ValueError, match=r"^model\.tokens_per_second = -1"):
+        ModelConfig(**_small_dict(tokens_per_second=-1.0))
 
 
 def _small_dict(**changes) -> dict:

@@ -11,7 +11,8 @@ writes JSON.
    training = 3 x forward (the backward pass costs two forwards). It equals torch's
    FlopCounterMode on the forward plus the attention products, which that counter skips on CPU.
 2. The decoder's cached step (eval, no autograd) for B utterances x N hypotheses at positions
-   10, 50 and 100, reordering the hypotheses every step as beam search does, with the
+   10, 50 and 100, every row continuing a random row of its utterance at every step (the worst
+   case for the cache: beam search moves few rows and tells the cache which), with the
    preallocated cache of asr/model/decoder.py and, for comparison, a cache appended with torch.cat.
 
 Tokenizers assumed: characters for tiny/synth (V 31, 15 tokens per second), BPE for
@@ -92,18 +93,18 @@ def bench_training(model: ASRModel, rate: float, *, batch: int, seconds: float, 
 class AppendedCache(DecoderCache):
     """The alternative measured against: keys and values appended with torch.cat at every step."""
 
-    def reorder(self, index: torch.Tensor) -> DecoderCache:
+    def reorder(self, index: torch.Tensor, **hints) -> DecoderCache:
         self.self_kv = self.self_kv.index_select(2, index)
         return self
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer == 0:
             self.grown = []
-        kv = torch.cat([self.self_kv[layer], torch.stack([k, v])], dim=3)  # (2, R, H, t + 1, dh)
-        self.grown.append(kv)
+        grown = torch.cat([self.self_kv[layer], kv.permute(2, 0, 1, 3, 4)], dim=2)  # (2, R, t + 1, H, dh)
+        self.grown.append(grown)
         if layer == self.self_kv.size(0) - 1:
             self.self_kv = torch.stack(self.grown)
-        return kv[0], kv[1]
+        return grown[0].transpose(1, 2), grown[1].transpose(1, 2)
 
 
 @torch.inference_mode()
@@ -125,7 +126,7 @@ def _decode_once(model: ASRModel, *, utterances: int, beam: int, frames: int, st
     memory_lens = torch.full((utterances,), frames, device=device)
     cache = model.decoder.init_cache(memory, memory_lens, rows=rows, capacity=steps)
     if appended:
-        cache = AppendedCache(cache.self_kv[..., :0, :], cache.memory_kv, cache.memory_mask)
+        cache = AppendedCache(cache.self_kv[:, :, :, :0], cache.memory_kv, cache.memory_mask, cache.positions)
     last = torch.full((rows,), model.config.sos, device=device)
     base = torch.arange(rows, device=device) // beam * beam  # first row of each row's utterance
     times = []

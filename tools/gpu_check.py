@@ -1,9 +1,11 @@
 """GPU check: train a config for a fixed number of steps on synthetic batches under bf16 autocast
-and report steps/s, audio-seconds/s, peak GPU memory and model FLOP utilization (MFU).
+and report steps/s, audio-seconds/s, peak GPU memory and model FLOP utilization (MFU); then time
+decoding (beam search, beam 10 + CTC weight 0.3, 32 utterances per batch, bf16 autocast): real-time
+factor, utterances/s, peak memory and host synchronizations per decoding step.
 
     bash tools/gpu_check.sh                                  # conf/librispeech_100h.yaml, eager
     bash tools/gpu_check.sh --compile --out exp/gpu_check_compiled.json
-    bash tools/gpu_check.sh --device cpu --config conf/tiny.yaml --warmup 1 --steps 2   # dry run
+    bash tools/gpu_check.sh --device cpu --config conf/tiny.yaml --warmup 1 --steps 2 --decode-batch 4   # dry run
 
 Runs where only torch and pyyaml are installed (no audio files, no soundfile, no network): it
 imports asr.config and asr.model only, through tools/bench_model.py, and gpu_check.sh puts the
@@ -30,6 +32,15 @@ forward FLOPs of tools/bench_model.py's forward_flops, summed over the batch's u
 own lengths (useful work: padding earns nothing); "MFU padded" counts what the padded batch computes
 (B x the longest). The peak comes from PEAK_TFLOPS by device name, or --peak-tflops.
 
+Decoding: the trained model's weights never end a hypothesis (its eos logit is pushed down), so
+every utterance runs to a realistic length (the token rate above x its duration, through
+max_len_ratio), as tools/bench_decode.py does; --decode-batches batches of --decode-batch
+utterances of the same LibriSpeech-like durations (at most 20 s), random features, encoder and
+search under bf16 autocast (fp32 with --decode-fp32), one untimed warm-up batch first. RTF =
+seconds of decoding / seconds of audio. Host synchronizations are counted on CUDA with
+torch.cuda.set_sync_debug_mode on one more batch; the search promises at most one per step.
+--no-decode skips it.
+
 Prints a table, one row per batch size as it completes, and rewrites the JSON (--out) after each
 row, so a run cut short keeps what it measured. A batch size that runs out of device memory gets
 a row saying so.
@@ -44,6 +55,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,13 +63,15 @@ import torch
 import yaml
 from bench_model import FRAMES_PER_SECOND, forward_flops, load
 
-from asr.model import ModelConfig, build_model, count_parameters
+from asr.model import ASRModel, ModelConfig, build_model, count_parameters
+from asr.search import SearchOptions, decode_memory, max_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BATCH_SECONDS = 200.0  # DataConfig.max_batch_seconds (asr.data needs soundfile: not imported here)
 POOL_UTTERANCES = 4000  # durations drawn; the batches are cut from them
 GRAD_CLIP = 5.0
 LR = 1e-4
+DECODE_MAX_SECONDS = 20.0  # longest utterance of the decoding batches
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOPS, by a substring of torch.cuda.get_device_name();
 # the first match wins, so longer names come before their prefixes ("L40S" before "L40" before "L4").
@@ -189,6 +203,80 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: l
 
 
 # ---------------------------------------------------------------------------------------------
+# decoding
+
+
+def decode_batches(config: ModelConfig, args: argparse.Namespace, device: torch.device) -> list[tuple]:
+    """--decode-batches + 2 batches (warm-up, sync count) of (feats, feat_lens, audio seconds) on the device."""
+    torch.manual_seed(args.seed + 1)
+    out = []
+    for _ in range(args.decode_batches + 2):
+        durations = [min(d, DECODE_MAX_SECONDS) for d in librispeech_durations(args.decode_batch)]
+        frames = torch.tensor([int(d * FRAMES_PER_SECOND) for d in durations], device=device)
+        feats = torch.randn(len(durations), int(frames.max()), config.n_mels, device=device)
+        out.append((feats, frames, sum(durations)))
+    return out
+
+
+def decode_once(model: ASRModel, batch: tuple, options: SearchOptions, dtype: torch.dtype | None) -> None:
+    feats, frames, _ = batch
+    with torch.no_grad(), torch.autocast(feats.device.type, dtype=dtype, enabled=dtype is not None):
+        decode_memory(model, *model.encoder(feats, frames), options)
+
+
+def count_syncs(fn) -> int | None:
+    """Host synchronizations CUDA reports while fn() runs (None on the CPU)."""
+    if not torch.cuda.is_available() or torch.cuda.get_sync_debug_mode() != 0:
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def measure_decoding(model: ASRModel, config: ModelConfig, rate: float, args: argparse.Namespace,
+                     device: torch.device) -> dict:
+    """Decoding speed of `model` (see the module docstring)."""
+    model.eval()
+    with torch.no_grad():
+        model.decoder.output.bias[config.eos] = -1e4  # never ends: every utterance runs to its length
+    options = SearchOptions(mode="attention", beam_size=args.decode_beam, ctc_weight=args.decode_ctc,
+                            max_len_ratio=rate / config.frames_per_second)
+    dtype = None if args.decode_fp32 else torch.bfloat16
+    warmup, *timed, last = decode_batches(config, args, device)
+    decode_once(model, warmup, options, dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    start = time.perf_counter()
+    for batch in timed:
+        decode_once(model, batch, options, dtype)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    audio = sum(b[2] for b in timed)
+    utterances = sum(b[0].size(0) for b in timed)
+    steps = int(max_lengths(model.encoder.subsampling.output_lengths(last[1]), options.max_len_ratio).max()) + 1
+    syncs = count_syncs(lambda: decode_once(model, last, options, dtype))
+    return {"batch": args.decode_batch, "batches": len(timed), "beam": args.decode_beam, "ctc_weight": args.decode_ctc,
+            "autocast": "fp32" if dtype is None else "bf16", "audio_s": audio, "elapsed_s": elapsed,
+            "rtf": elapsed / audio, "utts_per_s": utterances / elapsed, "tokens_per_second": rate,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "host_syncs": syncs, "search_steps": steps}
+
+
+def print_decoding(r: dict) -> None:
+    mem = f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else "n/a"
+    syncs = "n/a" if r["host_syncs"] is None else f"{r['host_syncs']} in ~{r['search_steps']} steps"
+    print(f"\ndecoding: beam {r['beam']} + CTC {r['ctc_weight']:g}, {r['batch']} utterances x {r['batches']} batches, "
+          f"{r['autocast']}: RTF {r['rtf']:.4f}, {r['utts_per_s']:.1f} utterances/s, peak {mem}, "
+          f"host syncs {syncs}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # the driver
 
 
@@ -290,6 +378,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (overrides the table)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-decode", action="store_true", help="skip the decoding measurement")
+    parser.add_argument("--decode-batch", type=int, default=32, help="utterances per decoding batch")
+    parser.add_argument("--decode-batches", type=int, default=3, help="timed decoding batches")
+    parser.add_argument("--decode-beam", type=int, default=10)
+    parser.add_argument("--decode-ctc", type=float, default=0.3, help="CTC weight of the joint beam search")
+    parser.add_argument("--decode-fp32", action="store_true", help="decode without bf16 autocast")
     parser.add_argument("--out", type=Path, default=ROOT / "exp/gpu_check.json")
     return parser.parse_args()
 
@@ -315,6 +409,10 @@ def main() -> None:
         report["runs"].append(run_cap(model, optimizer, config, rate, cap, args, device, peak[0]))
         print_row(report["runs"][-1])
         args.out.write_text(json.dumps(report, indent=2) + "\n")  # after each run: a timeout keeps the rest
+    if not args.no_decode:
+        report["decoding"] = measure_decoding(bare, config, rate, args, device)
+        print_decoding(report["decoding"])
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

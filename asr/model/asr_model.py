@@ -47,6 +47,8 @@ class ModelConfig:
     ctc_weight: float = 0.3  # loss = ctc_weight * CTC + (1 - ctc_weight) * attention
     lsm_weight: float = 0.1  # label smoothing e of the attention loss
     tie_embeddings: bool = False  # share the decoder's embedding and output projection matrix
+    tokens_per_second: float = 0.0  # mean target rate of the training data (tokens / seconds of audio);
+    # 0 = unknown; build_model takes it from the trainer (search caps output lengths with it)
 
     def __post_init__(self) -> None:
         positive = ("n_mels", "conv_channels", "d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_layers")
@@ -62,6 +64,7 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "lsm_weight"):
             _require(self, name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
         _require(self, "ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]")
+        _require(self, "tokens_per_second", self.tokens_per_second >= 0.0, "must be 0 (unknown) or positive")
 
     @property
     def sos(self) -> int:
@@ -228,12 +231,14 @@ def build_model(config: ModelConfig, *, vocab_size: int | None = None,
     """The model of `config`, with `vocab_size` (the tokenizer's V) filled in when given.
 
     With `tokens_per_second` (mean target rate of the training data), a subsampling rate that
-    leaves CTC too few frames is refused with a one-line ValueError (see check_ctc_feasible).
+    leaves CTC too few frames is refused with a one-line ValueError (see check_ctc_feasible), and
+    the rate is kept in the model's config (`model.config.tokens_per_second`, saved with it).
     """
     if vocab_size is not None:
         config = dataclasses.replace(config, vocab_size=vocab_size)
     if tokens_per_second is not None:
         check_ctc_feasible(config.subsampling, tokens_per_second)
+        config = dataclasses.replace(config, tokens_per_second=tokens_per_second)
     return ASRModel(config)
 
 

@@ -2,6 +2,19 @@
 
 Mask convention (DESIGN.md): boolean, True = may attend, broadcast to (B, H, T_query, T_key).
 Shape legend: B batch, H heads, T query length, S key length, dh = d_model / H.
+
+Which fused kernel runs (torch picks the first that accepts the inputs: flash, then cuDNN /
+memory-efficient, then the math fallback; on the CPU one flash-style kernel takes every case):
+- decoder self-attention, teacher-forced (training, rescoring): no mask, `is_causal=True` ->
+  flash on CUDA (fp16 / bf16 under autocast; fp32 goes to memory-efficient);
+- decoder self-attention, cached step: one query per row over the cache, no mask (the cache
+  holds only valid steps) -> flash; the keys and values are strided views of the cache buffer
+  (head dimension contiguous), which the fused kernels read in place;
+- encoder self-attention and all cross-attention: the key-padding mask (B, 1, 1, S) -> flash
+  cannot take an arbitrary mask, so memory-efficient (or cuDNN where it accepts the mask) runs;
+  a batch without padding would need no mask, but finding that out costs a host sync, so the
+  mask is always passed. Beam search folds the N hypotheses of an utterance into N query
+  positions over the utterance's keys (`attend`), so the keys are never copied per hypothesis.
 """
 from __future__ import annotations
 
@@ -56,6 +69,13 @@ class MultiHeadAttention(nn.Module):
         q, k, v = F.linear(x, self.in_weight, self.in_bias).chunk(3, dim=-1)
         return self._heads(q), self._heads(k), self._heads(v)
 
+    def q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention projections of x (B, T, d) for a cache: q (B, H, T, dh), and the keys
+        and values side by side, (B, T, 2, H, dh) (one view: a cache stores them in one copy)."""
+        b, t, _ = x.shape
+        projected = F.linear(x, self.in_weight, self.in_bias)  # (B, T, 3 d)
+        return self._heads(projected[..., :self.d_model]), projected[..., self.d_model:].view(b, t, 2, self.n_heads, -1)
+
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Query projection of x (B, T, d) -> (B, H, T, dh)."""
         d = self.d_model
@@ -82,14 +102,13 @@ class MultiHeadAttention(nn.Module):
         `mask` (B, 1, 1, S) or broadcastable to (B, H, T, S); `is_causal` needs R == B and T == S.
         """
         rows, heads, t, dh = q.shape
-        group = rows // k.size(0)
-        if group > 1:  # fold the N hypotheses of an utterance into its query positions
-            q = q.view(-1, group, heads, t, dh).transpose(1, 2).reshape(-1, heads, group * t, dh)
+        batch = k.size(0)
+        if rows > batch:  # fold the N hypotheses of an utterance into its query positions
+            q = q.view(batch, -1, heads, t, dh).transpose(1, 2).reshape(batch, heads, -1, dh)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
-        if group > 1:  # (B, H, N * T, dh) -> (R, H, T, dh)
-            y = y.view(-1, heads, group, t, dh).transpose(1, 2).reshape(rows, heads, t, dh)
-        return self.out_proj(y.transpose(1, 2).reshape(rows, t, self.d_model))
+        y = y.view(batch, heads, -1, t, dh).permute(0, 2, 3, 1, 4)  # (B, N, T, H, dh), rows unfolded
+        return self.out_proj(y.reshape(rows, t, self.d_model))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         """Self-attention of x (B, T, d) -> (B, T, d); `mask` as in `attend`."""

@@ -20,71 +20,107 @@ class DecoderCache:
     """What the decoder's `step` needs from earlier steps; updated in place by `step` and `reorder`.
 
     Self-attention keys and values live in a buffer preallocated to a capacity and filled in place
-    (doubled when full); `reorder` copies the filled steps into a spare buffer. Appending with
-    torch.cat instead copies (and allocates) all t steps at every step. Measured on the 2-core
-    CPU, decoder of librispeech_100h.yaml (d 256, 6 layers), ms per step at position 10 / 50 / 100:
-      tools/bench_model.py, 250 memory frames, rows reordered every step as in beam search:
-        1 x 10 rows:   appended 7.1 / 9.2 / 10.7    preallocated 7.0 / 8.0 / 7.8
-        32 x 10 rows:  appended 72 / 173 / 451      preallocated 65 / 85 / 129
-      no reordering (greedy), 320 rows, 100 memory frames (position 200: 688 against 122):
-        appended 84 / 196 / 382                     preallocated 53 / 68 / 81
-    so the cache is preallocated.
+    (doubled when full): appending with torch.cat instead copies (and allocates) all t steps at
+    every step. `reorder` moves data only where a row changes hands, and only the positions where
+    the row's new hypothesis differs from the one it held: in beam search most hypotheses continue
+    in their own row (see asr.search.Selection) and the others differ from the hypothesis they
+    replace in their last few tokens, so a step copies a few positions of a few rows instead of
+    the whole filled buffer (at position 50 of 32 x 10 rows of the librispeech_100h decoder that
+    copy was 196 MB, the largest cost of a step, growing with the position). Dropped utterances
+    leave holes that `reorder` fills with rows from the end (the caller's order), so dropping one
+    utterance copies at most one utterance's rows.
 
     Cross-attention keys and values are projected from the encoder output once, per utterance
     (B rows, not R): the N hypotheses of an utterance share them (see `MultiHeadAttention.attend`).
     """
 
-    self_kv: torch.Tensor  # (layers, 2, R, H, C, dh): keys [:, 0], values [:, 1]; steps [0, length) filled
+    self_kv: torch.Tensor  # (layers, 2, R, C, H, dh): keys [:, 0], values [:, 1]; steps [0, length) filled
     memory_kv: torch.Tensor  # (layers, 2, B, H, S, dh)
-    memory_mask: torch.Tensor  # (B, 1, 1, S) bool, True on valid frames
+    memory_mask: torch.Tensor  # (B, 1, 1, S) additive: 0 on valid frames, -inf on padding (made once,
+    # not converted from a boolean mask at every attention call)
+    positions: torch.Tensor  # (C', d) float32 sinusoidal encodings of positions 0 .. C' - 1 (grown as needed)
     length: int = 0  # steps taken so far = position of the next token
-    spare: torch.Tensor | None = None  # like self_kv: where `reorder` copies to, then swapped in
 
     @property
     def rows(self) -> int:
         return self.self_kv.size(2)
 
     @property
+    def capacity(self) -> int:
+        """Steps the buffer holds before it grows."""
+        return self.self_kv.size(3)
+
+    @property
     def group(self) -> int:
         """Hypotheses per utterance, N = R // B, fixed when the cache is made."""
         return self.rows // self.memory_kv.size(2)
 
-    def _copy_rows(self, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Copy the filled steps of rows `index` into `out` (layers, 2, R', H, C', dh); return out."""
-        t = self.length
-        torch.index_select(self.self_kv[:, :, :, :, :t], 2, index, out=out[:, :, :, :, :t])
-        return out
+    def reorder(self, index: torch.Tensor, *, moved: torch.Tensor | None = None, shared: torch.Tensor | None = None,
+                copies: int = 0, moved_groups: torch.Tensor | None = None) -> DecoderCache:
+        """Keep rows `index` (R',) long of this cache, in that order: row i continues row index[i].
 
-    def reorder(self, index: torch.Tensor) -> DecoderCache:
-        """Keep rows `index` (R',) long of this cache, in that order: row r' continues row index[r'].
-
-        R' == R (beam search reordering): each new row must come from a row of the same utterance,
-        so the memory is unchanged; one copy of the filled steps into a spare buffer, no allocation.
+        R' == R: each row must continue a row of its own utterance (beam search reordering).
         R' < R (finished utterances dropped): rows come in whole groups, the N consecutive rows of
-        one utterance; the memory keeps those utterances. Updates in place and returns self.
+        one utterance, and the memory keeps those utterances in that order.
+        Hints that save work (the search knows them without a host synchronization; None: found
+        here, with one): `moved` (M,) the rows i with index[i] != i (only those are copied);
+        `shared` (M,) for each, the positions (sos first) whose inputs its new hypothesis shares with
+        the one it held before, of the same utterance (0 when the utterance changed): those are
+        left alone, and `copies` = sum(length - shared) is what is left to copy (None: all of
+        each moved row); `moved_groups` (U,) the groups u of R' whose utterance changed
+        (index[u * N] // N != u). Updates in place and returns self.
         """
-        if index.numel() == self.rows:
-            spare = self.spare if self.spare is not None else torch.empty_like(self.self_kv)
-            self.spare, self.self_kv = self.self_kv, self._copy_rows(index, spare)
-            return self
-        utterances = index.view(-1, self.group)[:, 0] // self.group  # (B',)
-        layers, _, _, heads, capacity, dh = self.self_kv.shape
-        out = self.self_kv.new_empty(layers, 2, index.numel(), heads, capacity, dh)
-        self.self_kv, self.spare = self._copy_rows(index, out), None
-        self.memory_kv = self.memory_kv.index_select(2, utterances)
-        self.memory_mask = self.memory_mask.index_select(0, utterances)
+        if moved is None:
+            moved = _changed(index)
+        if index.numel() < self.rows:
+            self._keep_groups(index.view(-1, self.group)[:, 0] // self.group, moved_groups)
+        if shared is None:
+            filled = self.self_kv[:, :, :, :self.length]  # (layers, 2, R, t, H, dh), rows copied whole
+            filled.index_copy_(2, moved, filled.index_select(2, index[moved]))  # sources read first
+        elif copies:
+            self._copy_positions(moved, index[moved], shared, copies)
+        self.self_kv = self.self_kv[:, :, :index.numel()]
         return self
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store step `length`'s k, v (R, H, 1, dh) of `layer`; return all keys and values so far,
-        (R, H, length + 1, dh) each (views of the buffer). The caller advances `length`."""
+    def _copy_positions(self, rows: torch.Tensor, sources: torch.Tensor, start: torch.Tensor, copies: int) -> None:
+        """Copy positions start[i] .. length - 1 of row sources[i] to row rows[i] (M,) each; `copies`
+        (row, position) pairs in all, no host synchronization."""
+        layers, _, _, capacity, heads, dh = self.self_kv.shape
+        counts = (self.length - start).clamp(min=0)  # (M,)
+        first = counts.cumsum(0) - counts  # (M,) where each row's pairs begin
+        pairs = torch.repeat_interleave(torch.stack([rows, sources, first - start]), counts, dim=1,
+                                        output_size=copies)  # (3, copies): row, source, first - start
+        flat = pairs[:2] * capacity + torch.arange(copies, device=rows.device) - pairs[2]  # (2, copies)
+        kv = self.self_kv.view(layers, 2, -1, heads * dh)  # (layers, 2, R * C, d): one (row, position) each
+        kv.index_copy_(2, flat[0], kv.index_select(2, flat[1]))
+
+    def _keep_groups(self, utterances: torch.Tensor, moved: torch.Tensor | None) -> None:
+        """Memory of utterances (B',) in that order: the moved ones (U,) are copied into place."""
+        if moved is None:
+            moved = _changed(utterances)
+        if moved.numel():
+            source = utterances[moved]
+            self.memory_kv.index_copy_(2, moved, self.memory_kv.index_select(2, source))
+            self.memory_mask.index_copy_(0, moved, self.memory_mask.index_select(0, source))
+        self.memory_kv = self.memory_kv[:, :, :utterances.numel()]
+        self.memory_mask = self.memory_mask[:utterances.numel()]
+
+    def append(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store step `length`'s keys and values kv (R, 1, 2, H, dh) of `layer`; return all keys
+        and values so far, (R, H, length + 1, dh) each (views of the buffer). The caller advances
+        `length`."""
         t = self.length
-        if t == self.self_kv.size(4):  # full: double the capacity
-            self.self_kv = torch.cat([self.self_kv, torch.empty_like(self.self_kv)], dim=4)
-            self.spare = None
-        self.self_kv[layer, 0, :, :, t:t + 1] = k
-        self.self_kv[layer, 1, :, :, t:t + 1] = v
-        return self.self_kv[layer, 0, :, :, :t + 1], self.self_kv[layer, 1, :, :, :t + 1]
+        if t == self.capacity:  # full: double it
+            self.self_kv = torch.cat([self.self_kv, torch.empty_like(self.self_kv)], dim=3)
+        layer_kv = self.self_kv[layer]  # (2, R, C, H, dh)
+        layer_kv[:, :, t] = kv[:, 0].transpose(0, 1)
+        keys, values = layer_kv[:, :, :t + 1].transpose(2, 3)  # (R, H, t + 1, dh) each
+        return keys, values
+
+
+def _changed(index: torch.Tensor) -> torch.Tensor:
+    """The positions i with index[i] != i (one host synchronization)."""
+    return (index != torch.arange(index.numel(), device=index.device)).nonzero()[:, 0]
 
 
 class DecoderLayer(nn.Module):
@@ -115,8 +151,8 @@ class DecoderLayer(nn.Module):
 
     def step(self, x: torch.Tensor, index: int, cache: DecoderCache) -> torch.Tensor:
         """One position: x (R, 1, d) -> (R, 1, d), reading and filling layer `index` of the cache."""
-        q, k, v = self.self_attn.qkv(self.norm1(x))  # (R, H, 1, dh) each
-        keys, values = cache.append(index, k, v)  # (R, H, t + 1, dh)
+        q, kv = self.self_attn.q_kv(self.norm1(x))  # (R, H, 1, dh), (R, 1, 2, H, dh)
+        keys, values = cache.append(index, kv)  # (R, H, t + 1, dh) each
         x = x + self.self_attn.attend(q, keys, values)
         memory_k, memory_v = cache.memory_kv[index]
         return self._cross_and_ffn(x, memory_k, memory_v, cache.memory_mask)
@@ -155,11 +191,13 @@ class TransformerDecoder(nn.Module):
         if tie_embeddings:
             self.output.weight = self.embed.weight
 
-    def _embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """tokens (R, T) (negative = padding) at positions start.. -> (R, T, d)."""
-        positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
-        x = self.embed(tokens.clamp(min=0)) * math.sqrt(self.d_model) + sinusoidal_positions(positions, self.d_model)
-        return self.dropout(x)
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (R, T) (negative = padding) with the encodings (T, d) of their positions -> (R, T, d)."""
+        return self.dropout(self.embed(tokens.clamp(min=0)) * math.sqrt(self.d_model) + positions)
+
+    def _positions(self, count: int, device: torch.device) -> torch.Tensor:
+        """Encodings (count, d) of positions 0 .. count - 1."""
+        return sinusoidal_positions(torch.arange(count, device=device), self.d_model)
 
     def _log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(x)).float().log_softmax(dim=-1)
@@ -174,7 +212,7 @@ class TransformerDecoder(nn.Module):
         memory (B, S, d) from the encoder, memory_lens (B,) its valid frames.
         """
         mask = key_mask(memory_lens, memory.size(1))  # (B, 1, 1, S)
-        x = self._embed(tokens, 0)
+        x = self._embed(tokens, self._positions(tokens.size(1), tokens.device))
         for layer in self.layers:
             x = layer(x, *layer.cross_attn.key_value(memory), mask)
         return self._log_probs(x)
@@ -188,8 +226,11 @@ class TransformerDecoder(nn.Module):
         _, _, batch, heads, _, dh = memory_kv.shape
         if rows % batch:
             raise ValueError(f"{rows} rows are not a multiple of the {batch} utterances of the memory")
-        self_kv = memory_kv.new_empty(len(self.layers), 2, rows, heads, max(capacity, 1), dh)
-        return DecoderCache(self_kv, memory_kv, key_mask(memory_lens, memory.size(1)))
+        capacity = max(capacity, 1)
+        self_kv = memory_kv.new_empty(len(self.layers), 2, rows, capacity, heads, dh)
+        valid = key_mask(memory_lens, memory.size(1))  # (B, 1, 1, S)
+        mask = torch.zeros(valid.shape, dtype=memory_kv.dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+        return DecoderCache(self_kv, memory_kv, mask, self._positions(capacity, memory.device))
 
     def step(self, last_tokens: torch.Tensor, memory: torch.Tensor, memory_lens: torch.Tensor,
              cache: DecoderCache | None = None) -> tuple[torch.Tensor, DecoderCache]:
@@ -203,7 +244,10 @@ class TransformerDecoder(nn.Module):
         """
         if cache is None:
             cache = self.init_cache(memory, memory_lens, rows=last_tokens.size(0))
-        x = self._embed(last_tokens[:, None], cache.length)  # (R, 1, d)
+        t = cache.length
+        if t == cache.positions.size(0):
+            cache.positions = self._positions(2 * t, last_tokens.device)
+        x = self._embed(last_tokens[:, None], cache.positions[t:t + 1])  # (R, 1, d)
         for index, layer in enumerate(self.layers):
             x = layer.step(x, index, cache)
         cache.length += 1
