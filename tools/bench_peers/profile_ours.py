@@ -127,7 +127,7 @@ def shares(lines: list[str], top: int) -> list[dict]:
 
 
 def _function(frame: str) -> str:
-    """'step (/work/main/asr/model/decoder.py:123)' or 'step (asr/model/decoder.py:123)' ->
+    """'step (/home/user/asr/model/decoder.py:123)' or 'step (asr/model/decoder.py:123)' ->
     'step (asr/model/decoder.py)'; other files by their base name."""
     name, _, where = frame.partition(" (")
     path = "/" + where.rsplit(":", 1)[0]
