@@ -133,6 +133,21 @@ def test_manifests_match_the_flac_files(corpus):
             assert make_text.is_normalized(u["text"])
 
 
+def test_audio_has_a_noise_floor_at_the_planned_snr(corpus):
+    """No digital silence (it decodes to a log-mel floor that training, with its dither, never
+    sees): the edges hold the planned white noise, speech RMS / noise RMS = the plan's snr_db."""
+    plan = {u.id: u for u in synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1)["train"]}
+    for u in read_jsonl(corpus / "train.jsonl"):
+        samples = sf.read(str(corpus / u["audio"]), dtype="float64")[0] * 32768
+        utt = plan[u["id"]]
+        assert synthesize.NOISE_SNR_DB[0] <= utt.snr_db <= synthesize.NOISE_SNR_DB[1]
+        assert np.mean(samples == 0) < 0.01
+        edge = samples[:int(utt.lead * 16000) - 10]  # noise only
+        speech_rms = np.sqrt(np.mean(np.square(samples)))
+        snr = 20 * np.log10(speech_rms / np.sqrt(np.mean(np.square(edge))))
+        assert abs(snr - utt.snr_db) < 3.0, (u["id"], snr, utt.snr_db)
+
+
 def test_test_accents_are_never_heard_in_training(corpus):
     speakers = {s: {u["speaker"] for u in read_jsonl(corpus / f"{s}.jsonl")} for s in synthesize.SPLITS}
     train_accents = set(synthesize.ACCENTS) - set(synthesize.TEST_ACCENTS)

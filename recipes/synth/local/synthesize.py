@@ -69,6 +69,12 @@ PITCH = (25, 75)           # espeakPITCH, 0-100 (default 50)
 PITCH_RANGE = (20, 80)     # espeakRANGE, 0-100 (default 50)
 VOLUME = (50, 100)         # espeakVOLUME, percent (default 100; louder variants clip above it)
 EDGE_SILENCE = (0.05, 0.3)  # seconds of silence added before and after the speech
+# Background noise, white, at this signal-to-noise ratio (dB, speech RMS over noise RMS). eSpeak
+# writes exact zeros between words and we add silent edges: 15-30% of the frames. Without noise
+# their log-mel values sit at the floor (-15.9) when decoding but at the dither's level (+4.5) in
+# training (dither is training-only), a mismatch no recording has; and a model that never heard a
+# noise floor meets one in every real file.
+NOISE_SNR_DB = (30.0, 50.0)
 
 # speak_lib.h
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
@@ -100,6 +106,7 @@ class Utt:
     volume: int
     lead: float  # seconds of silence before the speech
     tail: float  # seconds of silence after
+    snr_db: float  # background noise level (see NOISE_SNR_DB)
 
     @property
     def audio(self) -> str:
@@ -130,6 +137,7 @@ def plan_split(split: str, texts: list[str], voice_list: list[str], seed: int) -
             wpm=rng.randint(*RATE_WPM), pitch=rng.randint(*PITCH), pitch_range=rng.randint(*PITCH_RANGE),
             volume=rng.randint(*VOLUME),
             lead=round(rng.uniform(*EDGE_SILENCE), 3), tail=round(rng.uniform(*EDGE_SILENCE), 3),
+            snr_db=round(rng.uniform(*NOISE_SNR_DB), 1),
         ))
     return utts
 
@@ -285,11 +293,17 @@ class ESpeak:
 
 
 def render(utt: Utt, engine: ESpeak, resampler: Resampler) -> np.ndarray:
-    """The utterance's 16 kHz int16 waveform: speech resampled, with its edge silences."""
+    """The utterance's 16 kHz int16 waveform: speech resampled, with its edge silences, under white
+    noise at utt.snr_db below the speech's RMS (drawn from a generator seeded by the plan key)."""
     speech = engine.synthesize(utt.text.lower() + ".", utt.voice, utt.wpm, utt.pitch, utt.pitch_range, utt.volume)
-    y = np.clip(np.rint(resampler(speech.astype(np.float32))), -32768, 32767).astype(np.int16)
-    lead, tail = (np.zeros(round(s * SAMPLE_RATE), np.int16) for s in (utt.lead, utt.tail))
-    return np.concatenate([lead, y, tail])
+    y = resampler(speech.astype(np.float32))
+    lead, tail = (np.zeros(round(s * SAMPLE_RATE), np.float32) for s in (utt.lead, utt.tail))
+    y = np.concatenate([lead, y, tail])
+    voiced = y[np.abs(y) > 0]
+    rms = float(np.sqrt(np.mean(np.square(voiced, dtype=np.float64)))) if voiced.size else 0.0
+    noise = np.random.default_rng(int(utt.key[:16], 16)).standard_normal(y.size)
+    y = y + noise * (rms * 10.0 ** (-utt.snr_db / 20.0))
+    return np.clip(np.rint(y), -32768, 32767).astype(np.int16)
 
 
 def existing_frames(path: Path, key: str) -> int | None:
