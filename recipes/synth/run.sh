@@ -93,7 +93,9 @@ train() {  # --nproc processes (the config's batch is per process), the cores sh
     --cmvn "$data/cmvn.json" training.num_threads="$threads" "${overrides[@]}"
 }
 run_stage 3 "train $(basename "$config")" train
-run_stage 4 "average the best checkpoints" asr average --exp-dir "$exp" --by best --num 5
+# the last 5 checkpoints (every 200 steps): dev WER 18.1% against 25.3% for the best 3 epochs
+# (which include the first, far behind at this short schedule)
+run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 run_stage 5 "decode the test set (beam search, CTC weight 0.3)" \
   asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
   --config "$root/conf/decode/default.yaml"
