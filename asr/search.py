@@ -24,6 +24,8 @@ log P_att(y) and the CTC prefix probability of y.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -585,7 +587,31 @@ def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tens
     hypothesis with score 0."""
     if memory.size(1) == 0:
         return [(Hypothesis((), 0.0),) for _ in range(memory.size(0))]
-    return SEARCHES[options.mode](model, memory, memory_lens, options)
+    rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
+    with _intra_op_threads(1 if rows <= FEW_ROWS and memory.device.type == "cpu" else None):
+        return SEARCHES[options.mode](model, memory, memory_lens, options)
+
+
+# A search over at most this many rows (utterances x beam) runs on one CPU thread: its operators
+# (a LayerNorm of 10 x 256, a 10-row matmul) are too small to share, and waking a second thread for
+# each cost more than it saved: one utterance at beam 10 of the 27M-parameter benchmark model
+# decoded 1.3-1.5x faster on 1 thread than on 2 (tools/bench_peers, 2026-11-30), while 32
+# utterances decoded 1.3x faster on 2.
+FEW_ROWS = 16
+
+
+@contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside the block (None: left alone)."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.no_grad()

@@ -133,3 +133,28 @@ def test_overfit_two_utterances_then_greedy_reproduces_them():
     for mode in ("attention", "ctc_greedy"):
         found = search(model, feats, feat_lens, SearchOptions(mode=mode))
         assert [list(h.tokens) for h in found] == targets, mode
+
+
+@pytest.mark.parametrize("utterances, beam, inside", [(1, 10, 1), (4, 10, None), (4, 1, 1)])
+def test_small_searches_run_on_one_thread_and_restore_the_count(monkeypatch, utterances, beam, inside):
+    """A search over few rows (utterances x beam <= FEW_ROWS) runs on one intra-op thread; the
+    caller's thread count is back afterwards, also when the search raises."""
+    import asr.search as search_module
+
+    model = small_model()
+    feats, feat_lens = batch()
+    seen = []
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop")
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setitem(search_module.SEARCHES, "attention", spy)
+        with pytest.raises(RuntimeError, match="stop"):
+            search(model, feats[:utterances], feat_lens[:utterances], SearchOptions(mode="attention", beam_size=beam))
+        assert seen == [inside or 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
