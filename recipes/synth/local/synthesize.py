@@ -69,11 +69,11 @@ PITCH = (25, 75)           # espeakPITCH, 0-100 (default 50)
 PITCH_RANGE = (20, 80)     # espeakRANGE, 0-100 (default 50)
 VOLUME = (50, 100)         # espeakVOLUME, percent (default 100; louder variants clip above it)
 EDGE_SILENCE = (0.05, 0.3)  # seconds of silence added before and after the speech
-# Background noise, white, at this signal-to-noise ratio (dB, speech RMS over noise RMS). eSpeak
-# writes exact zeros between words and we add silent edges: 15-30% of the frames. Without noise
-# their log-mel values sit at the floor (-15.9) when decoding but at the dither's level (+4.5) in
-# training (dither is training-only), a mismatch no recording has; and a model that never heard a
-# noise floor meets one in every real file.
+# Background noise, white, at this signal-to-noise ratio (dB: RMS of the nonzero speech samples
+# over the noise RMS). eSpeak writes exact zeros between words and we add silent edges: 15-30% of
+# the frames. Without noise their log-mel values sit at the floor (-15.9) when decoding but at the
+# dither's level (+4.5) in training (dither is training-only), a mismatch no recording has; and a
+# model that never heard a noise floor meets one in every real file.
 NOISE_SNR_DB = (30.0, 50.0)
 
 # speak_lib.h
