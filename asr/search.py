@@ -140,17 +140,23 @@ def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort((~mask).to(torch.int8), stable=True)[:count]
 
 
-def _fill_holes(stay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _stay_counts(stay: torch.Tensor) -> torch.Tensor:
+    """(2,) long of stay (n,) bool: K = how many entries stay, and how many of those lie at or past
+    position K (they move into the holes below K); no host sync."""
+    kept = stay.cumsum(0)
+    return torch.stack([kept[-1], kept[-1] - kept[(kept[-1] - 1).clamp(min=0)]])
+
+
+def _fill_holes(stay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An order of the staying entries of stay (B,) bool that moves as few as possible: those of
     the first K = stay.sum() positions stay where they are, the others fill the holes there in
     order. Returns (order (B,): order[:K] the entries kept, holes (B,) bool: the positions < K
-    filled from behind, K as a 0-d tensor), all on the device."""
-    count = stay.sum()
+    filled from behind), both on the device."""
     positions = torch.arange(stay.numel(), device=stay.device)
-    below = positions < count
+    below = positions < stay.sum()
     holes = below & ~stay
     behind = torch.argsort((below | ~stay).to(torch.int8), stable=True)  # the staying ones past K first
-    return torch.where(holes, behind[(holes.cumsum(0) - 1).clamp(min=0)], positions), holes, count
+    return torch.where(holes, behind[(holes.cumsum(0) - 1).clamp(min=0)], positions), holes
 
 
 def _stable_slots(parents: torch.Tensor) -> torch.Tensor:
@@ -322,18 +328,17 @@ class BeamSearch:
         shared = self._shared_inputs(run, parent)  # (B, N)
         own = torch.arange(n, device=parent.device)  # (N,)
         moved = parent != own  # (B, N)
-        kept = stay.cumsum(0)  # (B,)
-        in_place = (stay & (torch.arange(stay.numel(), device=stay.device) < kept[-1]))[:, None]  # (B, 1)
-        holes = kept[-1] - kept[(kept[-1] - 1).clamp(min=0)]  # utterances that move to the first kept[-1] groups
-        stats = torch.stack([kept[-1], holes, (moved & in_place).sum(),
-                             torch.where(moved & in_place, run.length + 1 - shared, 0).sum()])
+        counts = _stay_counts(stay)  # utterances kept, and those that move into the first groups
+        in_place = (stay & (torch.arange(stay.numel(), device=stay.device) < counts[0]))[:, None]  # (B, 1)
+        stats = torch.cat([counts, torch.stack([(moved & in_place).sum(),
+                                                torch.where(moved & in_place, run.length + 1 - shared, 0).sum()])])
         count, n_holes, n_moved, copies = stats.tolist()  # the step's host sync
         if count == 0:
             return None
         utterances = torch.arange(count, device=stay.device)
         moved_utterances = utterances[:0]
         if count < stay.numel():  # dropping: the utterances behind fill the holes
-            order, filled, _ = _fill_holes(stay)
+            order, filled = _fill_holes(stay)
             utterances, filled = order[:count], filled[:count]
             moved_utterances = _true_positions(filled, n_holes)
             parent, tokens, values, shared = (x[utterances] for x in (parent, tokens, values, shared))
@@ -476,13 +481,11 @@ def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.T
         tokens[rows, t] = last
         scores[rows] += best_lp
         stay = (last != eos) & (limits[rows] > t + 1)  # (R,)
-        kept = stay.cumsum(0)  # (R,)
-        holes = kept[-1] - kept[(kept[-1] - 1).clamp(min=0)]  # rows to stay past the first kept[-1] ones
-        count, n_holes = torch.stack([kept[-1], holes]).tolist()  # the step's host sync
+        count, n_holes = _stay_counts(stay).tolist()  # the step's host sync
         if count == 0:
             break
         if count < rows.numel():
-            order, holes, _ = _fill_holes(stay)
+            order, holes = _fill_holes(stay)
             order, moved = order[:count], _true_positions(holes[:count], n_holes)
             rows, last, cache = rows[order], last[order], cache.reorder(order, moved=moved, moved_groups=moved)
     return [_hypothesis(row, eos, score) for row, score in zip(tokens.tolist(), scores.tolist())]

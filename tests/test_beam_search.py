@@ -17,6 +17,7 @@ from asr.search import (
     SearchOptions,
     _fill_holes,
     _stable_slots,
+    _stay_counts,
     decode_memory,
     search,
     search_nbest,
@@ -222,8 +223,9 @@ def test_fill_holes_moves_only_what_stays_past_the_kept_count():
     g = torch.Generator().manual_seed(1)
     for _ in range(100):
         stay = torch.rand(7, generator=g) < 0.5
-        order, holes, count = _fill_holes(stay)
-        k = int(count)
+        order, holes = _fill_holes(stay)
+        k, behind = _stay_counts(stay).tolist()
+        assert behind == int(stay[k:].sum()) == int(holes.sum())
         assert k == int(stay.sum()) and sorted(order[:k].tolist()) == stay.nonzero()[:, 0].tolist()
         for i in range(k):
             assert (order[i] == i) == bool(stay[i]) and bool(holes[i]) == (not stay[i])
