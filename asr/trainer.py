@@ -559,7 +559,8 @@ class _Loop:
             g["lr"] = learning_rate(tc, st.step, self.total_steps)
         consumed = len(group)
         norm, sums, group = self._accumulate(group)
-        run.scaler.unscale_(run.optimizer)
+        if group:  # without a backward there is nothing to unscale (fp16's scaler would refuse)
+            run.scaler.unscale_(run.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
         st.batch += consumed
         # The one host synchronization of a step: skipping is decided from the gradient norm,
@@ -572,7 +573,8 @@ class _Loop:
             run.scaler.step(run.optimizer)
             st.step += 1
             st.bad_steps = 0
-        run.scaler.update()
+        if group:
+            run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
         seconds = sum(float(b.feat_lens.sum()) for b in group) * self.config.data.features.frame_shift_ms / 1000
         now = time.perf_counter()  # audio seconds per wall second, data waits included

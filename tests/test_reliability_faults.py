@@ -290,6 +290,17 @@ def test_out_of_memory_in_one_process_splits_the_batch_or_skips_the_utterance(co
     assert_same_run(straight[1], outcome(exp))
 
 
+@pytest.mark.slow
+def test_fp16_steps_where_every_utterance_runs_out_of_memory_are_skipped(corpus, tmp_path):
+    """Under fp16 (a gradient scaler) a step with no backward at all is skipped like the others:
+    the scaler is neither asked to unscale nor to update (it refuses both without gradients)."""
+    out = train(corpus, tmp_path / "exp", "training.precision=fp16", env={"ASR_INJECT_OOM": "0:5:0"})
+    assert out.returncode == 1
+    assert "out of memory even alone; skipped" in out.stderr and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "asr train: error: 20 steps in a row skipped, the last for every utterance of the batch ran out of memory")
+
+
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     """The pid of torchrun's worker of this rank, if it runs yet (from /proc: its RANK variable)."""
     for child in Path(f"/proc/{launcher.pid}/task").glob("*/children"):
