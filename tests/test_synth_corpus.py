@@ -59,6 +59,41 @@ def test_sentences_are_normalized_distinct_and_deterministic():
         assert sentences != make_text.make_sentences(300, split, seed=8)
 
 
+def test_spliced_sentences_reuse_runs_of_training_words_and_never_a_held_out_sentence():
+    stream = make_text.make_sentences(2200, "train", seed=0)
+    train, dev = stream[:2000], stream[2000:]
+    test = make_text.make_sentences(300, "test", seed=0)
+    mixed = make_text.splice_some(train, 0.5, seed=0, avoid=set(dev) | set(test))
+    assert len(mixed) == len(train) and len(set(mixed)) == len(mixed)
+    new = [s for s in mixed if s not in set(train)]
+    assert 900 < len(new) < 1100  # about half
+    assert not set(mixed) & (set(dev) | set(test))
+    assert [s for s in mixed if s in set(train)] == [s for s in train if s in set(mixed)]  # order kept
+    pairs = {p for s in train for p in zip(s.split(), s.split()[1:])}
+    for s in new:
+        words = s.split()
+        assert make_text.SPLICE_LENGTH[0] <= len(words) <= make_text.SPLICE_LENGTH[1], s
+        assert make_text.is_normalized(s)
+        # every word pair is a training pair or a seam; runs have >= 2 words, so seams are not adjacent
+        seams = [i for i, p in enumerate(zip(words, words[1:])) if p not in pairs]
+        assert all(b - a >= 2 for a, b in zip(seams, seams[1:])), s
+    assert mixed == make_text.splice_some(train, 0.5, seed=0, avoid=set(dev) | set(test))
+    assert mixed != make_text.splice_some(train, 0.5, seed=1, avoid=set(dev) | set(test))
+    assert make_text.splice_some(train, 0.0, seed=0) == train
+    with pytest.raises(ValueError, match="within"):
+        make_text.splice_some(train, 1.5, seed=0)
+
+
+def test_generated_splits_hold_spliced_training_sentences_only_in_train():
+    texts = synthesize.generated_texts({"train": 1000, "dev": 100, "test": 100}, seed=3, spliced=0.5)
+    template_sentences = set(make_text.make_sentences(1100, "train", seed=3))
+    assert set(texts["dev"]) <= template_sentences  # dev: whole training-template sentences
+    assert 400 < sum(s not in template_sentences for s in texts["train"]) < 600
+    assert not set(texts["train"]) & (set(texts["dev"]) | set(texts["test"]))
+    unspliced = synthesize.generated_texts({"train": 1000, "dev": 100, "test": 100}, seed=3, spliced=0.0)
+    assert unspliced["train"] == make_text.make_sentences(1000, "train", seed=3)
+
+
 @pytest.mark.parametrize("n, words", [
     (0, "ZERO"), (13, "THIRTEEN"), (40, "FORTY"), (99, "NINETY NINE"), (100, "ONE HUNDRED"),
     (305, "THREE HUNDRED AND FIVE"), (1005, "ONE THOUSAND AND FIVE"),
@@ -202,3 +237,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
                             "--num-test", "1", "--text", str(short)]) == 1
     assert "short.txt: 1 distinct sentences" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
+                         "--num-test", "1", "--spliced", "2"])
+    assert "--spliced must be within [0, 1]" in capsys.readouterr().err

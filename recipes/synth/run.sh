@@ -21,7 +21,7 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
-stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=12000; num_dev=200; num_test=400
+stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=20000; num_dev=200; num_test=400
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
@@ -96,9 +96,9 @@ run_stage 3 "train $(basename "$config")" train
 # the last 5 checkpoints (every 200 steps): dev WER 18.1% against 25.3% for the best 3 epochs
 # (which include the first, far behind at this short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
-run_stage 5 "decode the test set (beam search, CTC weight 0.3)" \
+run_stage 5 "decode the test set (beam search, CTC weight 0.5)" \
   asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
-  --config "$root/conf/decode/default.yaml"
+  --config "$root/conf/decode/synth.yaml"
 results() {
   python - "$exp/decode_test/wer.json" <<'PY'
 import json, sys

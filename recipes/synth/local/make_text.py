@@ -696,6 +696,49 @@ def make_sentences(n: int, split: str = "train", seed: int = 0) -> list[str]:
     return [next(stream) for _ in range(n)]
 
 
+SPLICE_RUN = (2, 5)  # words in each run taken from a sentence
+SPLICE_LENGTH = (5, 12)  # words in a spliced sentence
+
+
+def spliced(sentences: Sequence[str], rng: random.Random) -> str:
+    """A sentence of SPLICE_LENGTH words joined from runs of SPLICE_RUN words cut out of random
+    `sentences`: their words and word pairs, without the frame of any template."""
+    target = rng.randint(*SPLICE_LENGTH)
+    words: list[str] = []
+    while len(words) < target:
+        source = rng.choice(sentences).split()
+        k = min(rng.randint(*SPLICE_RUN), len(source), target - len(words))
+        i = rng.randint(0, len(source) - k)
+        words += source[i:i + k]
+    return " ".join(words)
+
+
+def splice_some(sentences: Sequence[str], fraction: float, seed: int, avoid: set[str] = frozenset()) -> list[str]:
+    """`sentences` with about `fraction` of them (chosen at random) replaced by spliced ones cut
+    from the others; deterministic given the seed, never a sentence of `avoid` or a repeat.
+
+    Why: a model trained only on template sentences learns the templates as a language model and
+    holds on to them when a sentence follows a frame it never heard (dev WER 17%, test 71%, with
+    the accents of both sets heard in training WER was 20% on training frames and 69% on test
+    frames). Spliced sentences keep the vocabulary and local word order but no whole frame.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the spliced fraction must be within [0, 1], not {fraction}")
+    rng = random.Random(f"synth-splice:{seed}")
+    out = list(sentences)
+    seen = set(out) | set(avoid)
+    for i in range(len(out)):
+        if rng.random() >= fraction:
+            continue
+        for _ in range(100):  # a repeat is rare; give up on this one after 100 draws
+            s = spliced(sentences, rng)
+            if s not in seen:
+                seen.add(s)
+                out[i] = s
+                break
+    return out
+
+
 def template_words(split: str) -> set[str]:
     """The literal words of a split's templates (the words not drawn from a slot)."""
     return {w for t in templates(split) for w in _SLOT.sub(" ", t).split()}
