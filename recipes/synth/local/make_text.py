@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 # --- word lists (multi-word entries joined with "_") ---------------------------------------------
@@ -705,8 +705,9 @@ SPLICE_LENGTH = (5, 12)  # words in a spliced sentence
 
 
 def spliced(sentences: Sequence[str], rng: random.Random) -> str:
-    """A sentence of SPLICE_LENGTH words joined from runs of SPLICE_RUN words cut out of random
-    `sentences`: their words and word pairs, without the frame of any template."""
+    """A sentence of SPLICE_LENGTH words joined from runs of SPLICE_RUN words (the last may be
+    shorter) cut out of random `sentences`: their words and word pairs, without the frame of any
+    template."""
     target = rng.randint(*SPLICE_LENGTH)
     words: list[str] = []
     while len(words) < target:
@@ -717,9 +718,10 @@ def spliced(sentences: Sequence[str], rng: random.Random) -> str:
     return " ".join(words)
 
 
-def splice_some(sentences: Sequence[str], fraction: float, seed: int, avoid: set[str] = frozenset()) -> list[str]:
+def splice_some(sentences: Sequence[str], fraction: float, seed: int, avoid: Iterable[str] = ()) -> list[str]:
     """`sentences` with about `fraction` of them (chosen at random) replaced by sentences spliced
-    from runs of their words (`spliced`); deterministic given the seed, never a sentence of `avoid` or a repeat.
+    from runs of their words (`spliced`): deterministic given the seed, never a sentence of `avoid`
+    nor a repeat.
 
     Why: a model trained only on template sentences learns them as a language model and holds on
     to them when a sentence follows a frame it never heard. The recipe's earlier model had 71% test
