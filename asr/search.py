@@ -582,6 +582,14 @@ def _ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
 SEARCHES = {"attention": beam_search, "greedy": _greedy, "ctc_greedy": _ctc_greedy, "ctc_rescore": ctc_rescore}
 
 
+# A search over at most this many rows (utterances x beam) runs on one CPU thread: its operators
+# (a LayerNorm of 10 x 256, a 10-row matmul) are too small to share, and waking a second thread for
+# each cost more than it saved: one utterance at beam 10 of the 27M-parameter benchmark model
+# decoded 1.3-1.5x faster on 1 thread than on 2 (tools/bench_peers, 2026-11-30), while 32
+# utterances decoded 1.3x faster on 2.
+FEW_ROWS = 16
+
+
 @torch.no_grad()
 def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                   options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
@@ -593,14 +601,6 @@ def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tens
     rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
     with _intra_op_threads(1 if rows <= FEW_ROWS and memory.device.type == "cpu" else None):
         return SEARCHES[options.mode](model, memory, memory_lens, options)
-
-
-# A search over at most this many rows (utterances x beam) runs on one CPU thread: its operators
-# (a LayerNorm of 10 x 256, a 10-row matmul) are too small to share, and waking a second thread for
-# each cost more than it saved: one utterance at beam 10 of the 27M-parameter benchmark model
-# decoded 1.3-1.5x faster on 1 thread than on 2 (tools/bench_peers, 2026-11-30), while 32
-# utterances decoded 1.3x faster on 2.
-FEW_ROWS = 16
 
 
 @contextmanager

@@ -11,9 +11,9 @@
 #   3 train                        4 average checkpoints      5 decode the test set
 #   6 results table and a transcription of one test file
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
-# its share of the cores: on 2 cores, 2 single-thread processes trained at ~175 audio-seconds per
-# second against ~130 for one process with 2 threads (the same 40 s steps; this small model's
-# operators are too small to keep 2 threads busy).
+# its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
+# ~175 audio-seconds per second against ~130 for one process with 2 threads (the same 40 s steps;
+# a small model's operators are too small to keep 2 threads busy).
 set -euo pipefail
 # OpenMP threads that wait passively: with busy-waiting ones, any other program on a 2-core machine
 # slowed training steps up to 8x (a descheduled thread keeps its partner spinning)
@@ -93,8 +93,8 @@ train() {  # --nproc processes (the config's batch is per process), the cores sh
     --cmvn "$data/cmvn.json" training.num_threads="$threads" "${overrides[@]}"
 }
 run_stage 3 "train $(basename "$config")" train
-# the last 5 checkpoints (every 200 steps): dev WER 18.1% against 25.3% for the best 3 epochs
-# (which include the first, far behind at this short schedule)
+# the last 5 checkpoints (every 200 steps): with the earlier 3-epoch schedule, dev WER 18.1% against
+# 25.3% for the best 3 epochs (which include the first, far behind at a short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 run_stage 5 "decode the test set (beam search, CTC weight 0.5)" \
   asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
