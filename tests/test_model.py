@@ -115,11 +115,12 @@ def test_key_mask():
 
 # -- encoder and decoder -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("rate", RATES)
-def test_padding_invariance(rate):
+@pytest.mark.parametrize("rate, conv_kernel", [(4, 0), (6, 0), (8, 0), (4, 5), (8, 15)])
+def test_padding_invariance(rate, conv_kernel):
     """An utterance alone and inside a padded batch with longer neighbours: same encoder output on
-    its valid frames and the same decoder log-probs on its valid positions (float32, 1e-5)."""
-    model = small_model(subsampling=rate)
+    its valid frames and the same decoder log-probs on its valid positions (float32, 1e-5); with
+    the Conformer convolution block too (its kernel reaches into the padding of short utterances)."""
+    model = small_model(subsampling=rate, conv_kernel=conv_kernel)
     g = torch.Generator().manual_seed(1)
     feat_lens = torch.tensor([57, 90, 123])
     feats = torch.randn(3, 123, 16, generator=g)  # padding frames are random too, not zeros
@@ -232,9 +233,9 @@ def test_short_input_gives_empty_output():
 
 # -- the model ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_every_parameter_gets_a_gradient(tie):
-    model = small_model(tie_embeddings=tie).train()
+@pytest.mark.parametrize("tie, conv_kernel", [(False, 0), (True, 0), (False, 3)])
+def test_every_parameter_gets_a_gradient(tie, conv_kernel):
+    model = small_model(tie_embeddings=tie, conv_kernel=conv_kernel).train()
     g = torch.Generator().manual_seed(5)
     tokens, token_lens = random_targets([4, 6], 13, g)
     out = model(torch.randn(2, 50, 16, generator=g), torch.tensor([50, 41]), tokens, token_lens)
@@ -359,6 +360,7 @@ def _small_dict(**changes) -> dict:
     ({"subsampling": 5}, "subsampling"), ({"d_model": 30}, "d_model"), ({"ctc_weight": 1.5}, "ctc_weight"),
     ({"vocab_size": 2}, "vocab_size"), ({"n_mels": 10, "subsampling": 8}, "n_mels"),
     ({"lsm_weight": 1.0}, "lsm_weight"), ({"encoder_layers": 0}, "encoder_layers"),
+    ({"conv_kernel": 4}, "conv_kernel"), ({"conv_kernel": -1}, "conv_kernel"),
 ])
 def test_config_errors_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"^model\.{field} = ") as e:

@@ -44,6 +44,7 @@ class ModelConfig:
     decoder_layers: int = 6
     dropout: float = 0.1  # residual, position-wise feed-forward and input (after positions) dropout
     attention_dropout: float = 0.0  # on attention weights
+    conv_kernel: int = 0  # > 0: a Conformer convolution block (this odd kernel) in every encoder layer
     ctc_weight: float = 0.3  # loss = ctc_weight * CTC + (1 - ctc_weight) * attention
     lsm_weight: float = 0.1  # label smoothing e of the attention loss
     tie_embeddings: bool = False  # share the decoder's embedding and output projection matrix
@@ -64,6 +65,8 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "lsm_weight"):
             _require(self, name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
         _require(self, "ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]")
+        _require(self, "conv_kernel", self.conv_kernel == 0 or (self.conv_kernel > 0 and self.conv_kernel % 2 == 1),
+                 "must be 0 (no convolution block) or odd")
         _require(self, "tokens_per_second", self.tokens_per_second >= 0.0, "must be 0 (unknown) or positive")
 
     @property
@@ -142,7 +145,7 @@ class ASRModel(nn.Module):
         self.encoder = TransformerEncoder(
             n_mels=config.n_mels, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,
             n_layers=config.encoder_layers, conv_channels=config.conv_channels, subsampling=config.subsampling,
-            dropout=config.dropout, attention_dropout=config.attention_dropout,
+            dropout=config.dropout, attention_dropout=config.attention_dropout, conv_kernel=config.conv_kernel,
         )
         self.decoder = TransformerDecoder(
             vocab_size=config.vocab_size, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,

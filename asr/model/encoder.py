@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asr.model.attention import MultiHeadAttention, key_mask
@@ -38,20 +39,51 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
-class EncoderLayer(nn.Module):
-    """Pre-LayerNorm block: x + drop(self_attn(LN(x))), then x + drop(ffn(LN(x)))."""
+class ConvModule(nn.Module):
+    """The convolution block of a Conformer layer, with LayerNorm where Conformer has BatchNorm
+    (so that an utterance's output does not depend on its batch):
+    pointwise (d -> 2d) -> GLU -> depthwise conv over time (kernel k, same length) -> LayerNorm ->
+    SiLU -> pointwise (d -> d). Padding frames are zeroed before the depthwise conv, so a valid
+    frame sees the same zeros beyond the utterance's end alone and inside a padded batch."""
 
-    def __init__(self, *, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float) -> None:
+    def __init__(self, *, d_model: int, kernel: int) -> None:
+        super().__init__()
+        if kernel % 2 == 0:
+            raise ValueError(f"model.conv_kernel = {kernel} must be odd (a centred window)")
+        self.pointwise_in = nn.Linear(d_model, 2 * d_model)
+        self.depthwise = nn.Conv1d(d_model, d_model, kernel, padding=kernel // 2, groups=d_model)
+        self.norm = nn.LayerNorm(d_model)
+        self.pointwise_out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d), valid (B, T) bool -> (B, T, d)."""
+        x = F.glu(self.pointwise_in(x), dim=-1).masked_fill(~valid[..., None], 0.0)
+        x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)
+        return self.pointwise_out(F.silu(self.norm(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LayerNorm block: x + drop(self_attn(LN(x))), [x + drop(conv(LN(x))) with conv_kernel > 0],
+    then x + drop(ffn(LN(x)))."""
+
+    def __init__(self, *, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float,
+                 conv_kernel: int = 0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(d_model=d_model, n_heads=n_heads, dropout=attention_dropout)
+        if conv_kernel > 0:
+            self.norm_conv = nn.LayerNorm(d_model)
+            self.conv = ConvModule(d_model=d_model, kernel=conv_kernel)
         self.norm2 = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
         self.dropout = nn.Dropout(dropout)
+        self.conv_kernel = conv_kernel
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B, T, d), mask (B, 1, 1, T) True on valid frames -> (B, T, d)."""
         x = x + self.dropout(self.self_attn(self.norm1(x), mask=mask))
+        if self.conv_kernel > 0:
+            x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
 
@@ -74,6 +106,7 @@ class TransformerEncoder(nn.Module):
         subsampling: int,
         dropout: float,
         attention_dropout: float,
+        conv_kernel: int = 0,
     ) -> None:
         super().__init__()
         self.d_model = d_model
@@ -81,7 +114,7 @@ class TransformerEncoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(d_model=d_model, n_heads=n_heads, ffn_dim=ffn_dim, dropout=dropout,
-                         attention_dropout=attention_dropout)
+                         attention_dropout=attention_dropout, conv_kernel=conv_kernel)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
