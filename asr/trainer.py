@@ -256,7 +256,9 @@ def _tokenizer(exp: Path, config: ExperimentConfig, utts: list, given: str | Non
 def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ctx: _Context) -> CMVNStats:
     """The given CMVN statistics, or EXP/cmvn.json computed by rank 0."""
     if given:
-        return CMVNStats.load(given)
+        stats = CMVNStats.load(given)
+        _check_mel_bins(config, stats.dim, given)
+        return stats
     path = exp / "cmvn.json"
     if ctx.main and not path.is_file():
         log.info("computing CMVN statistics over %d utterances", len(utts))
@@ -266,7 +268,18 @@ def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ct
                                 "(see the warnings above)")
         stats.save(path)
     ctx.barrier()
-    return CMVNStats.load(path)
+    stats = CMVNStats.load(path)
+    _check_mel_bins(config, stats.dim, str(path))
+    return stats
+
+
+def _check_mel_bins(config: ExperimentConfig, cmvn_dim: int | None, source: str) -> None:
+    """One line naming the three numbers when the frontend, the model and the CMVN statistics
+    disagree on the mel bins (otherwise a shape error deep in a loader worker)."""
+    features, model = config.data.features.n_mels, config.model.n_mels
+    if not features == model == cmvn_dim:
+        raise TrainingError(f"mel bins disagree: data.features.n_mels = {features}, model.n_mels = {model}, "
+                            f"{cmvn_dim} in the CMVN statistics {source}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import soundfile as sf
 import torch
 
 from asr.checkpoint import load_file
+from asr.features import CMVNStats
 from asr.trainer import TrainingConfig, learning_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +122,22 @@ def test_refuses_resume_with_another_config(tmp_path):
     out = asr_train(manifest, exp, "training.max_steps=1", "data.num_workers=0", "training.lr=0.5")
     assert out.returncode == 1
     assert "training.lr" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_mel_bins_that_disagree_stop_with_one_line(tmp_path):
+    """CMVN statistics of another frontend (or a model of other n_mels) are refused before any step."""
+    manifest = make_corpus(tmp_path / "data", n=2)
+    stats = CMVNStats()
+    stats.add(torch.randn(50, 40))
+    stats.save(tmp_path / "cmvn40.json")
+    out = asr_train(manifest, tmp_path / "exp", "training.max_steps=1", "data.num_workers=0",
+                    "--cmvn", tmp_path / "cmvn40.json")
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]  # after the tokenizer's line
+    assert last.startswith("asr train: ")
+    assert "data.features.n_mels = 80, model.n_mels = 80, 40 in the CMVN statistics" in last
+    out = asr_train(manifest, tmp_path / "exp2", "training.max_steps=1", "data.num_workers=0", "model.n_mels=40")
+    assert out.returncode == 1 and "model.n_mels = 40" in out.stderr, out.stderr
 
 
 def test_average_and_nonfinite_skip(tmp_path):

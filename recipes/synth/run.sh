@@ -70,18 +70,21 @@ text_args=(); [ -n "$text" ] && text_args=(--text "$text")
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
   python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
   "${text_args[@]}"
-# the tokenizer the config asks for (kind and size, after the overrides), named after them
-read -r kind vocab < <(python -c '
+# the tokenizer the config asks for (kind and size, after the overrides), named after them, and
+# its mel bins (for the CMVN statistics)
+read -r kind vocab n_mels < <(python -c '
 import sys
 from asr.trainer import load_experiment_config
-t = load_experiment_config(sys.argv[1], sys.argv[2:]).tokenizer
-print(t.kind, t.vocab_size if t.kind != "char" else "-")' "$config" "${overrides[@]}") || true
+c = load_experiment_config(sys.argv[1], sys.argv[2:])
+t = c.tokenizer
+print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels)' "$config" "${overrides[@]}") || true
 [ -n "${kind:-}" ] || { echo "run.sh: cannot read the tokenizer section of $config" >&2; exit 1; }
 lang=$data/lang_$kind; size_args=()
 [ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
 run_stage 1 "tokenizer ($kind${size_args:+ $vocab})" \
   asr tokenizer --manifest "$data/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$lang"
-run_stage 2 "CMVN statistics" asr cmvn --manifest "$data/train.jsonl" --out "$data/cmvn.json"
+run_stage 2 "CMVN statistics ($n_mels mel bins)" \
+  asr cmvn --manifest "$data/train.jsonl" --n-mels "$n_mels" --out "$data/cmvn.json"
 train() {  # --nproc processes (the config's batch is per process), the cores shared between them
   local n=$nproc cores threads
   [ -n "$n" ] || n=$(python -c 'import torch; print(1 if torch.cuda.is_available() else 2)')
