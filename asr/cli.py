@@ -65,9 +65,12 @@ def cmd_cmvn(args: argparse.Namespace) -> int:
     from asr.features import FeatureConfig
 
     utts = read_manifest(args.manifest)
-    stats = compute_cmvn(utts, FeatureConfig(n_mels=args.n_mels), num_workers=args.num_workers)
+    stats = compute_cmvn(utts, FeatureConfig(n_mels=args.n_mels), num_workers=args.num_workers,
+                         dump_dir=args.dump_feats)
     stats.save(args.out)
     print(f"{args.out}: global CMVN over {int(stats.count)} frames of {len(utts)} utterances")
+    if args.dump_feats:
+        print(f"{args.dump_feats}: their features (float16), for 'asr train --feats {args.dump_feats}'")
     return 0
 
 
@@ -89,7 +92,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from asr.trainer import load_experiment_config, train
 
     config = load_experiment_config(args.config, args.overrides)
-    path = train(config, args.train, args.valid, args.exp_dir, tokenizer_dir=args.tokenizer, cmvn_path=args.cmvn)
+    path = train(config, args.train, args.valid, args.exp_dir, tokenizer_dir=args.tokenizer, cmvn_path=args.cmvn,
+                 feats_dir=args.feats)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"{path}: the final model; 'asr average --exp-dir {args.exp_dir}' averages the best checkpoints")
     return 0
@@ -187,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-mels", type=int, default=80, help="mel bins (default 80)")
     p.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="loader processes (default: the CPU count, at most 8)")
+    p.add_argument("--dump-feats", metavar="DIR",
+                   help="also write the features (no dither, float16) to DIR for 'asr train --feats DIR'")
     p.set_defaults(func=cmd_cmvn)
 
     p = sub.add_parser("train", help="train a model (one process, or torchrun for several GPUs)")
@@ -196,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exp-dir", required=True, metavar="EXP")
     p.add_argument("--tokenizer", metavar="DIR", help="default: build one in EXP")
     p.add_argument("--cmvn", metavar="CMVN.json", help="default: compute it in EXP")
+    p.add_argument("--feats", metavar="DIR", help="training features dumped by 'asr cmvn --dump-feats DIR' "
+                   "(read instead of computed every epoch; no dither)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.set_defaults(func=cmd_train)
 

@@ -13,6 +13,7 @@ batch) only, so that a resumed run sees the same data in the same order.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -51,6 +52,8 @@ __all__ = [
     "DataConfig",
     "DurationBucketSampler",
     "Example",
+    "FeatureArchive",
+    "FeatureArchiveError",
     "ManifestError",
     "Skipped",
     "Utterance",
@@ -633,6 +636,8 @@ class ASRDataset(Dataset):
     `make_loader` logs each once). Training dither comes from a generator seeded by
     (seed, epoch, index): `dataset[i]` uses the epoch of `set_epoch`, `get(i, epoch)` the one given
     (what loader workers use: set_epoch does not reach persistent worker processes).
+    With `archive`, the features it holds for an utterance (as its audio is now) are read from it
+    instead: computed once without dither, so no dither in training either.
     The utterances are kept compactly (numpy arrays, no Python object per utterance);
     `utterance(i)` rebuilds one (without its speaker).
     """
@@ -646,7 +651,14 @@ class ASRDataset(Dataset):
         cmvn: GlobalCMVN | None = None,
         training: bool = False,
         seed: int = 0,
+        archive: FeatureArchive | None = None,
     ):
+        self.archive = archive
+        if archive is not None:
+            self._archived, self._archived_frames = archive.rows(utts)
+            found = int((self._archived >= 0).sum())
+            logger.info("features of %d of %d utterances from %s%s", found, len(utts), archive.folder,
+                        "" if found == len(utts) else "; the others computed from their audio")
         self._utts = _UtteranceTable(utts)
         self.tokenizer = tokenizer
         self.features = features
@@ -680,13 +692,16 @@ class ASRDataset(Dataset):
     def get(self, index: int, epoch: int) -> Example | Skipped:
         """Utterance `index` with the training randomness of `epoch`."""
         utt = self._utts[index]
-        wave = self._load(utt)
-        if isinstance(wave, Skipped):
-            return wave
-        generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index)) if self.training else None
-        feats = fbank(wave, self.features, training=self.training, generator=generator)  # (T, D)
-        if feats.shape[0] == 0:
-            return Skipped(utt.id, f"too short for one frame ({wave.numel() / SAMPLE_RATE:.3f} s)")
+        if self.archive is not None and self._archived[index] >= 0:
+            feats = self.archive.read(int(self._archived[index]), int(self._archived_frames[index]))
+        else:
+            wave = self._load(utt)
+            if isinstance(wave, Skipped):
+                return wave
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index)) if self.training else None
+            feats = fbank(wave, self.features, training=self.training, generator=generator)  # (T, D)
+            if feats.shape[0] == 0:
+                return Skipped(utt.id, f"too short for one frame ({wave.numel() / SAMPLE_RATE:.3f} s)")
         if self.cmvn is not None:
             with torch.no_grad():
                 feats = self.cmvn(feats)
@@ -911,21 +926,139 @@ def collate(
 # CMVN statistics
 
 
-def compute_cmvn(utts: Sequence[Utterance], features: FeatureConfig, *, num_workers: int = 0) -> CMVNStats:
+def compute_cmvn(utts: Sequence[Utterance], features: FeatureConfig, *, num_workers: int = 0,
+                 dump_dir: str | os.PathLike | None = None) -> CMVNStats:
     """Global CMVN statistics of the fbank features (no dither) of `utts`. An utterance that
     cannot be used (see ASRDataset) is logged with its id and reason, skipped and counted in the
-    summary line; `num_workers` processes decode in parallel."""
+    summary line; `num_workers` processes decode in parallel. With `dump_dir`, the same features
+    are also written there as a FeatureArchive (float16), for training to read instead of decoding
+    and computing them every epoch."""
     dataset = ASRDataset(utts, None, features=features)
     loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, collate_fn=_identity)
     stats, skipped = CMVNStats(), 0
-    for item in loader:
-        if isinstance(item, Skipped):
-            logger.warning("%s: %s; skipped", item.id, item.reason)
-            skipped += 1
-        else:
-            stats.add(item.feats)
+    writer = _ArchiveWriter(Path(dump_dir), features, dataset) if dump_dir is not None else None
+    with writer or _nothing():
+        for index, item in enumerate(loader):
+            if isinstance(item, Skipped):
+                logger.warning("%s: %s; skipped", item.id, item.reason)
+                skipped += 1
+            else:
+                stats.add(item.feats)
+                if writer:
+                    writer.add(index, item.feats)
     logger.info("cmvn: %d utterances, %d frames, %d skipped", len(utts) - skipped, int(stats.count), skipped)
     return stats
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Dumped features
+
+
+class FeatureArchiveError(ValueError):
+    """A feature archive that cannot be used: "<folder>: <reason>", one line."""
+
+
+ARCHIVE_FORMAT = "asr-feature-archive-1"
+
+
+def _source_key(utt: Utterance) -> str:
+    """What an utterance's features depend on besides the frontend: its audio file (path, size and
+    modification time), segment and speed. A rewritten file no longer matches its dumped features."""
+    try:
+        st = os.stat(utt.audio)
+        stamp = f"{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        stamp = "missing"
+    return f"{os.path.abspath(utt.audio)}|{utt.start}|{utt.end}|{utt.speed}|{stamp}"
+
+
+class _ArchiveWriter:
+    """Writes DIR/feats.f16 (all frames, float16, row after row) and then DIR/index.json; both
+    atomically, the index last, so that a crash leaves the old archive or none, never a mix."""
+
+    def __init__(self, folder: Path, features: FeatureConfig, dataset: ASRDataset):
+        self.folder, self.features, self.dataset = folder, features, dataset
+        self.entries: dict[str, list] = {}
+        self.frames = 0
+
+    def __enter__(self) -> _ArchiveWriter:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._context = atomic_open(self.folder / "feats.f16", "wb")
+        self._file = self._context.__enter__()
+        return self
+
+    def add(self, index: int, feats: torch.Tensor) -> None:
+        utt = self.dataset.utterance(index)
+        rows = feats.to(torch.float16).numpy()
+        self._file.write(rows.tobytes())
+        self.entries[utt.id] = [self.frames, rows.shape[0], _source_key(utt)]
+        self.frames += rows.shape[0]
+
+    def __exit__(self, *exc: Any) -> None:
+        self._context.__exit__(*exc)
+        if exc[0] is None:
+            index = {"format": ARCHIVE_FORMAT, "features": dataclasses.asdict(self.features),
+                     "frames": self.frames, "utterances": self.entries}
+            with atomic_open(self.folder / "index.json") as f:
+                json.dump(index, f)
+            logger.info("%s: features of %d utterances (%d frames, float16)", self.folder, len(self.entries),
+                        self.frames)
+
+
+class FeatureArchive:
+    """Features dumped by `compute_cmvn(..., dump_dir=DIR)`: the fbank (no dither, before CMVN) of
+    each utterance, read through a memory map (the page cache is shared by all loader processes).
+
+    `rows(utts)` gives, per utterance, where its features are, or -1 when the archive does not
+    have them as they are now (not dumped, or the audio file, segment or speed changed since):
+    those are computed as usual."""
+
+    def __init__(self, folder: str | os.PathLike, features: FeatureConfig):
+        self.folder = Path(folder)
+        try:
+            index = json.loads((self.folder / "index.json").read_text(encoding="utf-8"))
+        except OSError as e:
+            raise FeatureArchiveError(f"{self.folder}: no feature archive ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise FeatureArchiveError(f"{self.folder}/index.json: not JSON (line {e.lineno}: {e.msg})") from None
+        if not isinstance(index, dict) or index.get("format") != ARCHIVE_FORMAT:
+            raise FeatureArchiveError(f"{self.folder}/index.json: not a feature archive index ({ARCHIVE_FORMAT})")
+        wanted = dataclasses.asdict(features)
+        if index.get("features") != wanted:
+            changed = sorted(k for k in wanted if (index.get("features") or {}).get(k) != wanted[k])
+            raise FeatureArchiveError(f"{self.folder}: dumped with other features ({', '.join(changed)} differ "
+                                      "from data.features); dump them again")
+        self.dim, self.frames = features.n_mels, int(index["frames"])
+        size = (self.folder / "feats.f16").stat().st_size if (self.folder / "feats.f16").is_file() else -1
+        if size != self.frames * self.dim * 2:
+            raise FeatureArchiveError(f"{self.folder}/feats.f16: {size} bytes, the index says "
+                                      f"{self.frames * self.dim * 2}; dump the features again")
+        self._entries: dict[str, list] = index["utterances"]
+        self._data: np.ndarray | None = None  # opened in the process that reads (loader workers)
+
+    def rows(self, utts: Sequence[Utterance]) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets (N,) int64, -1 where not usable; frames (N,) int64) of `utts`."""
+        offsets, frames = np.full(len(utts), -1, np.int64), np.zeros(len(utts), np.int64)
+        for i, utt in enumerate(utts):
+            entry = self._entries.get(utt.id)
+            if entry is not None and entry[2] == _source_key(utt):
+                offsets[i], frames[i] = entry[0], entry[1]
+        return offsets, frames
+
+    def read(self, offset: int, frames: int) -> torch.Tensor:
+        """(frames, D) float32 features starting at row `offset`."""
+        if self._data is None:
+            self._data = np.memmap(self.folder / "feats.f16", dtype=np.float16, mode="r",
+                                   shape=(self.frames, self.dim))
+        return torch.from_numpy(self._data[offset:offset + frames].astype(np.float32))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_data": None}  # a worker maps the file itself
 
 
 def _identity(item: Any) -> Any:
@@ -1066,6 +1199,7 @@ def make_loader(
     rank: int = 0,
     world_size: int = 1,
     pin_memory: bool = False,
+    archive: FeatureArchive | None = None,
 ) -> ASRDataLoader:
     """The loader of one rank for the whole run, at epoch 0 from its first batch; choose the
     epoch (and a resume point) with `loader.set_epoch(epoch, start_batch)` before iterating.
@@ -1074,11 +1208,12 @@ def make_loader(
     again), shuffled buckets, dither and SpecAugment, all derived from (seed, epoch, index /
     batch). Otherwise: batches sorted by duration, no augmentation. Utterances outside
     [min_duration, max_duration] or longer than the batch cap are left out (logged once, on
-    rank 0)."""
+    rank 0). With `archive`, features it holds are read from it (see ASRDataset)."""
     if training and config.speed_perturb:
         utts = speed_perturb(utts, config.speed_perturb)
     utts = select_by_duration(utts, config.min_duration, config.max_duration, report=rank == 0)
-    dataset = ASRDataset(utts, tokenizer, features=config.features, cmvn=cmvn, training=training, seed=seed)
+    dataset = ASRDataset(utts, tokenizer, features=config.features, cmvn=cmvn, training=training, seed=seed,
+                         archive=archive)
     batches = DurationBucketSampler(
         dataset.durations,
         max_batch_seconds=config.max_batch_seconds,

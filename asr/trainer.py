@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from asr.checkpoint import CHECKPOINT_FORMAT, VERSION, load_file, model_file, save_atomic
 from asr.config import config_diff, load_config, read_yaml, to_dict
-from asr.data import Batch, DataConfig, compute_cmvn, make_loader, read_manifest
+from asr.data import (Batch, DataConfig, FeatureArchive, FeatureArchiveError, compute_cmvn, make_loader,
+                      read_manifest)
 from asr.features import CMVNStats, GlobalCMVN
 from asr.fileio import atomic_open, remove_stale_temporaries
 from asr.metrics import normalize_text, score
@@ -98,11 +99,12 @@ class TrainingError(RuntimeError):
 
 
 def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, exp_dir: str | Path, *,
-          tokenizer_dir: str | None = None, cmvn_path: str | None = None) -> Path:
+          tokenizer_dir: str | None = None, cmvn_path: str | None = None, feats_dir: str | None = None) -> Path:
     """Train into `exp_dir` (resuming from its newest checkpoint); returns the final model file.
 
     Whatever stops it (SIGKILL, SIGTERM, a full disk, a lost rank), running the same call again
-    resumes from the last checkpoint and ends with the same weights as an uninterrupted run."""
+    resumes from the last checkpoint and ends with the same weights as an uninterrupted run.
+    `feats_dir`: a FeatureArchive of training features (`compute_cmvn(..., dump_dir=...)`)."""
     ctx = _setup_process(config.training)
     exp = Path(exp_dir)
     try:
@@ -113,7 +115,8 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
             cmvn = _cmvn(exp, config, train_utts, cmvn_path, ctx)
             run = _build(config, tokenizer, cmvn, _label_rate(tokenizer, train_utts), ctx)
             state = _resume(exp, run, ctx)
-            loop = _Loop(config, exp, run, state, train_utts, valid_utts, ctx)
+            archive = _archive(feats_dir, config)
+            loop = _Loop(config, exp, run, state, train_utts, valid_utts, ctx, archive)
             loop.run()
             return loop.finish()
     finally:
@@ -273,6 +276,15 @@ def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ct
     return stats
 
 
+def _archive(folder: str | None, config: ExperimentConfig) -> FeatureArchive | None:
+    if folder is None:
+        return None
+    try:
+        return FeatureArchive(folder, config.data.features)
+    except FeatureArchiveError as e:
+        raise TrainingError(str(e)) from None
+
+
 def _check_mel_bins(config: ExperimentConfig, cmvn_dim: int | None, source: str) -> None:
     """One line naming the three numbers when the frontend, the model and the CMVN statistics
     disagree on the mel bins (otherwise a shape error deep in a loader worker)."""
@@ -325,7 +337,11 @@ def _build(config: ExperimentConfig, tokenizer: Tokenizer, stats: CMVNStats, lab
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(wrapped, device_ids=ids)
     opt_cls = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.Adam
-    optimizer = opt_cls(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
+    # fused: one kernel over all parameters; on a CPU the default (one op chain per tensor) took
+    # 7 ms of a synth step of ~60 ms, fused 1.2 ms (the same update to 1e-7)
+    fused = ctx.device.type in ("cpu", "cuda")
+    optimizer = opt_cls(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay,
+                        fused=fused or None)
     dtype = _autocast_dtype(tc.precision, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
     n_params = sum(p.numel() for p in model.parameters())
@@ -481,12 +497,12 @@ class _Loop:
     """Epochs of optimizer steps, validation, checkpoints and logs."""
 
     def __init__(self, config: ExperimentConfig, exp: Path, run: _Run, state: _State,
-                 train_utts: list, valid_utts: list, ctx: _Context):
+                 train_utts: list, valid_utts: list, ctx: _Context, archive: FeatureArchive | None = None):
         self.config, self.tc, self.exp, self.run_, self.state, self.ctx = config, config.training, exp, run, state, ctx
         self.train_utts, self.valid_utts = train_utts, valid_utts
         self.log = _Logger(exp, ctx.main, resumed_at=state.step)
         self.ctc_reported: set[str] = set()
-        self.train_loader = self._loader(train_utts, training=True)
+        self.train_loader = self._loader(train_utts, training=True, archive=archive)
         self.valid_loader = self._loader(valid_utts, training=False)
         subset = self._decode_subset() if ctx.main and self.tc.valid_decode_utts > 0 else []
         self.decode_text = {u.id: u.text for u in subset}
@@ -533,12 +549,13 @@ class _Loop:
         return self.tc.max_steps > 0 and self.state.step >= self.tc.max_steps
 
     # -- one epoch -----------------------------------------------------------------------------
-    def _loader(self, utts: list, *, training: bool, sharded: bool = True):
+    def _loader(self, utts: list, *, training: bool, sharded: bool = True, archive: FeatureArchive | None = None):
         """A loader built once (persistent workers); `set_epoch` selects the epoch and position."""
         ctx = self.ctx
         return make_loader(utts, self.run_.tokenizer, self.config.data, training=training, cmvn=self.run_.cmvn,
                            seed=self.tc.seed, rank=ctx.rank if sharded else 0,
-                           world_size=ctx.world_size if sharded else 1, pin_memory=ctx.device.type == "cuda")
+                           world_size=ctx.world_size if sharded else 1, pin_memory=ctx.device.type == "cuda",
+                           archive=archive)
 
     def _train_epoch(self) -> bool:
         """Optimizer steps from the saved position to the end of the epoch; False when max_steps
