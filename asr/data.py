@@ -977,6 +977,11 @@ def _source_key(utt: Utterance) -> str:
     return f"{os.path.abspath(utt.audio)}|{utt.start}|{utt.end}|{utt.speed}|{stamp}"
 
 
+def _archived_settings(features: FeatureConfig) -> dict:
+    """The frontend settings dumped features depend on: all but dither (they have none)."""
+    return {k: v for k, v in dataclasses.asdict(features).items() if k != "dither"}
+
+
 class _ArchiveWriter:
     """Writes DIR/feats.f16 (all frames, float16, row after row) and then DIR/index.json; both
     atomically, the index last, so that a crash leaves the old archive or none, never a mix."""
@@ -1002,7 +1007,7 @@ class _ArchiveWriter:
     def __exit__(self, *exc: Any) -> None:
         self._context.__exit__(*exc)
         if exc[0] is None:
-            index = {"format": ARCHIVE_FORMAT, "features": dataclasses.asdict(self.features),
+            index = {"format": ARCHIVE_FORMAT, "features": _archived_settings(self.features),
                      "frames": self.frames, "utterances": self.entries}
             with atomic_open(self.folder / "index.json") as f:
                 json.dump(index, f)
@@ -1028,7 +1033,7 @@ class FeatureArchive:
             raise FeatureArchiveError(f"{self.folder}/index.json: not JSON (line {e.lineno}: {e.msg})") from None
         if not isinstance(index, dict) or index.get("format") != ARCHIVE_FORMAT:
             raise FeatureArchiveError(f"{self.folder}/index.json: not a feature archive index ({ARCHIVE_FORMAT})")
-        wanted = dataclasses.asdict(features)
+        wanted = _archived_settings(features)
         if index.get("features") != wanted:
             changed = sorted(k for k in wanted if (index.get("features") or {}).get(k) != wanted[k])
             raise FeatureArchiveError(f"{self.folder}: dumped with other features ({', '.join(changed)} differ "

@@ -140,6 +140,27 @@ def test_mel_bins_that_disagree_stop_with_one_line(tmp_path):
     assert out.returncode == 1 and "model.n_mels = 40" in out.stderr, out.stderr
 
 
+def test_training_reads_dumped_features(tmp_path):
+    """'asr cmvn --dump-feats' then 'asr train --feats': the steps read the archive; an archive of
+    other mel bins is refused in one line."""
+    manifest = make_corpus(tmp_path / "data", n=2)
+    for n_mels in (80, 40):
+        done = subprocess.run([sys.executable, "-m", "asr.cli", "cmvn", "--manifest", str(manifest), "--out",
+                               str(tmp_path / f"cmvn{n_mels}.json"), "--n-mels", str(n_mels), "--dump-feats",
+                               str(tmp_path / f"feats{n_mels}"), "--num-workers", "0"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    out = asr_train(manifest, tmp_path / "exp", "training.max_steps=2", "data.num_workers=0",
+                    "--cmvn", tmp_path / "cmvn80.json", "--feats", tmp_path / "feats80")
+    assert out.returncode == 0, out.stderr
+    assert "features of 2 of 2 utterances from" in out.stderr
+    out = asr_train(manifest, tmp_path / "exp40", "training.max_steps=2", "data.num_workers=0",
+                    "--cmvn", tmp_path / "cmvn80.json", "--feats", tmp_path / "feats40")
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("asr train: ") and "dumped with other features (n_mels differ" in last
+
+
 def test_average_and_nonfinite_skip(tmp_path):
     manifest = make_corpus(tmp_path / "data", n=4)
     exp = tmp_path / "exp"

@@ -101,7 +101,7 @@ run_stage 3 "train $(basename "$config")" train
 # the last 5 checkpoints (every 200 steps): with the earlier 3-epoch schedule, dev WER 18.1% against
 # 25.3% for the best 3 epochs (which include the first, far behind at a short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
-run_stage 5 "decode the test set (beam search, CTC weight 0.5)" \
+run_stage 5 "decode the test set (beam search, CTC weight 0.3)" \
   asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
   --config "$root/conf/decode/synth.yaml"
 results() {
