@@ -23,7 +23,7 @@ import shlex
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -937,7 +937,7 @@ def compute_cmvn(utts: Sequence[Utterance], features: FeatureConfig, *, num_work
     loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, collate_fn=_identity)
     stats, skipped = CMVNStats(), 0
     writer = _ArchiveWriter(Path(dump_dir), features, dataset) if dump_dir is not None else None
-    with writer or _nothing():
+    with writer or nullcontext():
         for index, item in enumerate(loader):
             if isinstance(item, Skipped):
                 logger.warning("%s: %s; skipped", item.id, item.reason)
@@ -948,11 +948,6 @@ def compute_cmvn(utts: Sequence[Utterance], features: FeatureConfig, *, num_work
                     writer.add(index, item.feats)
     logger.info("cmvn: %d utterances, %d frames, %d skipped", len(utts) - skipped, int(stats.count), skipped)
     return stats
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 # ---------------------------------------------------------------------------------------------

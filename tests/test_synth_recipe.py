@@ -30,6 +30,10 @@ def test_stages_are_skipped_when_done_and_rerun_from_stage(tmp_path):
     data = tmp_path / "data"
     assert len((data / "train.jsonl").read_text().splitlines()) == 12
     assert json.loads((data / "lang_char" / "tokenizer.json").read_text())["kind"] == "char"
+    # CMVN with the config's mel bins (conf/synth.yaml: 40), and the training features dumped beside it
+    assert len(json.loads((data / "cmvn.json").read_text())["sum"]) == 40
+    index = json.loads((data / "feats_train" / "index.json").read_text())
+    assert index["features"]["n_mels"] == 40 and len(index["utterances"]) == 12
     stamps = {p: p.stat().st_mtime_ns for p in (data / "train.jsonl", data / "cmvn.json")}
 
     out = run(tmp_path, "--stop-stage", "2")
