@@ -456,9 +456,14 @@ def test_dumped_features_are_the_computed_ones(corpus, tokenizer, tmp_path, capl
         assert not torch.equal(got.feats, want.feats)  # really read from the archive
         torch.testing.assert_close(got.feats, read.get(i, epoch=3).feats, atol=0, rtol=0)  # no dither
     assert [type(read[i]) for i in range(4, 8)] == [Skipped] * 4
-    batches = [b for b in make_loader(corpus, tokenizer, loader_config(num_workers=2), training=True,
-                                      cmvn=cmvn, archive=archive)]
+    no_masks = SpecAugmentConfig(freq_masks=0, time_masks=0)
+    batches = [b for b in make_loader(corpus, tokenizer, loader_config(num_workers=2, specaug=no_masks),
+                                      training=True, cmvn=cmvn, archive=archive)]
     assert sorted(i for b in batches for i in b.ids) == ["g1", "g2", "g3", "g4"]
+    for batch in batches:  # what the workers read is the archive's (no dither: equal, not close)
+        for b, utt_id in enumerate(batch.ids):
+            want = read[[u.id for u in corpus].index(utt_id)].feats
+            assert torch.equal(batch.feats[b, : batch.feat_lens[b]], want)
 
 
 def test_archive_entries_of_changed_audio_are_computed_again(corpus, tmp_path):
@@ -481,13 +486,15 @@ def test_archive_errors_are_one_line(corpus, tmp_path):
     with pytest.raises(FeatureArchiveError, match=r"dumped with other features \(n_mels differ") as e:
         FeatureArchive(tmp_path / "feats", replace(FEATURES, n_mels=40))
     assert "\n" not in str(e.value)
-    data = tmp_path / "feats" / "feats.f16"
+    [data] = (tmp_path / "feats").glob("feats-*.f16")
     data.write_bytes(data.read_bytes()[:-2])
-    with pytest.raises(FeatureArchiveError, match=r"feats.f16: \d+ bytes, the index says \d+; dump"):
+    with pytest.raises(FeatureArchiveError, match=r"feats-[0-9a-f]+\.f16: \d+ bytes, the index says \d+; dump"):
         FeatureArchive(tmp_path / "feats", FEATURES)
-    (tmp_path / "feats" / "index.json").write_text("{}")
-    with pytest.raises(FeatureArchiveError, match="not a feature archive index"):
-        FeatureArchive(tmp_path / "feats", FEATURES)
+    index = json.loads((tmp_path / "feats" / "index.json").read_text())
+    for broken in ({}, {**index, "features": 3}, {**index, "frames": "many"}, {**index, "utterances": []}):
+        (tmp_path / "feats" / "index.json").write_text(json.dumps(broken))
+        with pytest.raises(FeatureArchiveError, match="not a feature archive index"):
+            FeatureArchive(tmp_path / "feats", FEATURES)
 
 
 def test_a_failed_dump_leaves_the_previous_archive(corpus, tmp_path, monkeypatch):
@@ -501,6 +508,30 @@ def test_a_failed_dump_leaves_the_previous_archive(corpus, tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):
         compute_cmvn(corpus[:4], FEATURES, dump_dir=tmp_path / "feats")
     assert {p.name: p.read_bytes() for p in (tmp_path / "feats").iterdir()} == before
+    monkeypatch.undo()
+
+    # the data of a new dump is written, but its index is not: the old index still reads the old data
+    def no_index(*args, **kwargs):
+        raise OSError("killed before the index")
+
+    monkeypatch.setattr("asr.data.json.dump", no_index)
+    with pytest.raises(OSError, match="killed before the index"):
+        compute_cmvn(list(reversed(corpus[:2])), FEATURES, dump_dir=tmp_path / "feats")
+    monkeypatch.undo()
+    archive = FeatureArchive(tmp_path / "feats", FEATURES)
+    fresh = ASRDataset(corpus[:2], None, features=FEATURES)
+    read = ASRDataset(corpus[:2], None, features=FEATURES, archive=archive)
+    for i in range(2):
+        torch.testing.assert_close(read[i].feats, fresh[i].feats, atol=0.02, rtol=0.0)
+
+    # a dump in which no utterance has usable audio commits nothing
+    compute_cmvn(corpus[4:], FEATURES, dump_dir=tmp_path / "feats")
+    assert FeatureArchive(tmp_path / "feats", FEATURES).rows(corpus[:2])[0].min() >= 0
+
+    # a good new dump replaces the old one and leaves one data file
+    compute_cmvn(corpus[:3], FEATURES, dump_dir=tmp_path / "feats")
+    assert len(list((tmp_path / "feats").glob("feats-*.f16"))) == 1
+    assert (FeatureArchive(tmp_path / "feats", FEATURES).rows(corpus[:3])[0] >= 0).all()
 
 
 # ---------------------------------------------------------------------------------- collate
