@@ -21,7 +21,7 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
-stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=18000; num_dev=200; num_test=400
+stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
