@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 from asr.checkpoint import CHECKPOINT_FORMAT, VERSION, load_file, model_file, save_atomic
 from asr.config import config_diff, load_config, read_yaml, to_dict
-from asr.data import (Batch, DataConfig, FeatureArchive, FeatureArchiveError, compute_cmvn, make_loader,
-                      read_manifest)
+from asr.data import Batch, DataConfig, FeatureArchive, FeatureArchiveError, compute_cmvn, make_loader, read_manifest
 from asr.features import CMVNStats, GlobalCMVN
 from asr.fileio import atomic_open, remove_stale_temporaries
 from asr.metrics import normalize_text, score
@@ -258,19 +257,19 @@ def _tokenizer(exp: Path, config: ExperimentConfig, utts: list, given: str | Non
 
 def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ctx: _Context) -> CMVNStats:
     """The given CMVN statistics, or EXP/cmvn.json computed by rank 0."""
+    path: str | Path
     if given:
-        stats = CMVNStats.load(given)
-        _check_mel_bins(config, stats.dim, given)
-        return stats
-    path = exp / "cmvn.json"
-    if ctx.main and not path.is_file():
-        log.info("computing CMVN statistics over %d utterances", len(utts))
-        stats = compute_cmvn(utts, config.data.features, num_workers=config.data.num_workers)
-        if stats.count == 0:
-            raise TrainingError(f"none of the {len(utts)} training utterances has usable audio "
-                                "(see the warnings above)")
-        stats.save(path)
-    ctx.barrier()
+        path = given
+    else:
+        path = exp / "cmvn.json"
+        if ctx.main and not path.is_file():
+            log.info("computing CMVN statistics over %d utterances", len(utts))
+            computed = compute_cmvn(utts, config.data.features, num_workers=config.data.num_workers)
+            if computed.count == 0:
+                raise TrainingError(f"none of the {len(utts)} training utterances has usable audio "
+                                    "(see the warnings above)")
+            computed.save(path)
+        ctx.barrier()
     stats = CMVNStats.load(path)
     _check_mel_bins(config, stats.dim, str(path))
     return stats
