@@ -28,6 +28,7 @@ from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, to_mono_1
 from asr.checkpoint import CheckpointError, load_file
 from asr.config import from_dict
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
+from asr.lexicon import Lexicon, LexiconScorer
 from asr.model import ASRModel, ModelConfig
 from asr.search import Hypothesis, SearchOptions, decode_memory
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
@@ -146,6 +147,7 @@ class Recognizer:
         self.model = model.to(self.device).eval()
         self.tokenizer, self.features, self.cmvn = tokenizer, features, cmvn.to(self.device)
         self.options = options or SearchOptions(mode="attention")
+        self._lexicons: dict[str, Lexicon] = {}
 
     def transcribe(
         self,
@@ -155,19 +157,24 @@ class Recognizer:
         beam_size: int | None = None,
         ctc_weight: float | None = None,
         length_bonus: float | None = None,
+        lexicon: str | os.PathLike | None = None,
         raw: RawFormat | None = None,
         batch_size: int = 8,
         segmentation: SegmentOptions | None = None,
     ) -> list[Result]:
         """One Result per input, in order. `audio`: a path, a (waveform, sample_rate) pair
         (numpy or torch, (T,) or (T, C)), or a list of them. `raw` reads every path as headerless
-        PCM of that format. mode / beam_size / ctc_weight / length_bonus override this
-        recognizer's SearchOptions. Segments of all inputs (cut as `segmentation` says, default
-        SegmentOptions()) are decoded `batch_size` at a time.
+        PCM of that format. mode / beam_size / ctc_weight / length_bonus / lexicon (a word list:
+        beam search writes only its words; asr.lexicon) override this recognizer's SearchOptions.
+        Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
+        `batch_size` at a time.
         An input that cannot be read gives a Result with `error` set; the others go on."""
         segmentation = segmentation or SegmentOptions()
-        overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus}
+        overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus,
+                     "lexicon": None if lexicon is None else os.fspath(lexicon)}
         options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
+        if options.lexicon:
+            self.lexicon(options.lexicon)  # a bad word list fails here, before any audio is read
         inputs = _as_list(audio)
         jobs = [_Job(os.fspath(item) if isinstance(item, (str, os.PathLike)) else None) for item in inputs]
         batches = _Batches(self, options, jobs, batch_size)
@@ -197,9 +204,18 @@ class Recognizer:
             lens = torch.tensor([feats[i].size(0) for i in usable], device=self.device)
             padded = torch.nn.utils.rnn.pad_sequence([feats[i] for i in usable], batch_first=True)  # (B, T, D)
             memory, memory_lens = self.model.encoder(padded, lens)
-            for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options)):
+            constraint = LexiconScorer(self.lexicon(options.lexicon)) if options.lexicon else None
+            for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options, constraint)):
                 out[i] = nbest
         return out
+
+    def lexicon(self, path: str | os.PathLike) -> Lexicon:
+        """The word list at `path` compiled for this model's tokenizer (once per path; LexiconError
+        when it cannot be read or used)."""
+        key = os.fspath(path)
+        if key not in self._lexicons:
+            self._lexicons[key] = Lexicon.from_file(key, self.tokenizer).to(self.device)
+        return self._lexicons[key]
 
     def text(self, tokens: Iterable[int]) -> str:
         return self.tokenizer.decode(list(tokens))

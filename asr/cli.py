@@ -57,6 +57,13 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     tokenizer.save(args.out)
     print(f"{args.out}: {args.kind} tokenizer, {tokenizer.vocab_size} ids (blank, unk, sos/eos included), "
           f"trained on {len(texts)} transcripts")
+    if args.words:
+        from asr.fileio import atomic_open
+
+        words = sorted({w for t in texts for w in t.split()})
+        with atomic_open(args.words) as f:
+            f.writelines(w + "\n" for w in words)
+        print(f"{args.words}: the {len(words)} words of those transcripts (a word list for decoding.lexicon)")
     return 0
 
 
@@ -125,7 +132,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.raw_rate:
         raw = RawFormat(sample_rate=args.raw_rate, subtype=args.raw_format, channels=args.raw_channels)
     recognizer = load_model(args.model, device=args.device or "auto")
-    results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, raw=raw)
+    results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, lexicon=args.lexicon, raw=raw)
     sys.stdout.write(format_results(results, args.format))
     failed = [r for r in results if r.error is not None]
     for r in failed:
@@ -183,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", required=True, choices=["char", "bpe", "unigram"])
     p.add_argument("--vocab-size", type=int, metavar="N", help="sentencepiece pieces (bpe, unigram)")
     p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--words", metavar="WORDS.txt", help="also write the transcripts' words, one per line "
+                   "(for 'asr decode decoding.lexicon=WORDS.txt')")
     p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("cmvn", help="global mean/variance statistics of the fbank features")
@@ -233,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["txt", "json", "srt"], default="txt")
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--mode", choices=["attention", "ctc_greedy", "ctc_rescore", "greedy"])
+    p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",

@@ -57,6 +57,7 @@ class DecodingConfig:
     max_len_ratio: float = 1.0
     pre_beam_ratio: float = 1.5
     nbest: int = 1  # hypotheses kept per utterance (the journal holds them; hyp.txt the best)
+    lexicon: str = ""  # a word list, one word per line: beam search writes only its words (asr.lexicon)
     batch_size: int = 32  # utterances per batch at most
     max_batch_seconds: float = 600.0  # padded seconds (longest x count) per batch at most
     num_workers: int = 2  # processes reading audio and computing features
@@ -72,7 +73,7 @@ class DecodingConfig:
     def search_options(self) -> SearchOptions:
         return SearchOptions(mode=self.mode, beam_size=self.beam_size, ctc_weight=self.ctc_weight,
                              length_bonus=self.length_bonus, max_len_ratio=self.max_len_ratio,
-                             pre_beam_ratio=self.pre_beam_ratio, nbest=self.nbest)
+                             pre_beam_ratio=self.pre_beam_ratio, nbest=self.nbest, lexicon=self.lexicon)
 
 
 def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_values: Any) -> DecodingConfig:
@@ -101,9 +102,13 @@ def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathL
     """Decode every utterance of the manifest (resuming from out_dir's journal), write hyp.txt,
     ref.txt, wer.json and errors.txt into out_dir, and return the wer.json dict. Progress and the
     real-time factor go to stderr. A malformed manifest raises ManifestError (file:line) before
-    anything is decoded; a bad model file CheckpointError."""
+    anything is decoded; a bad model file CheckpointError, a bad word list LexiconError."""
     utts = read_manifest(manifest_path)
     recognizer = load_model(model_path, device=config.device, options=config.search_options())
+    if config.lexicon:
+        lexicon = recognizer.lexicon(config.lexicon)
+        unspellable = f" ({lexicon.unspellable} the tokenizer cannot spell, left out)" if lexicon.unspellable else ""
+        print(f"decode: lexicon {config.lexicon}: {lexicon.num_words} words{unspellable}", file=sys.stderr)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     journal = _Journal(out / JOURNAL, _header(model_path, manifest_path, config))
@@ -223,12 +228,17 @@ def _collate(items: list[Example | Skipped]) -> tuple[Batch, list[tuple[str, str
 
 
 def _header(model_path: str | os.PathLike, manifest_path: str | os.PathLike, config: DecodingConfig) -> dict[str, Any]:
-    """What the results depend on: the model file (path, size, time), the manifest, the search."""
+    """What the results depend on: the model file (path, size, time), the manifest, the search
+    (and the word list's size and time when there is one)."""
     model = Path(model_path).resolve()
     stat = model.stat()
-    return {"format": _JOURNAL_FORMAT, "model": str(model), "model_size": stat.st_size,
-            "model_mtime_ns": stat.st_mtime_ns, "manifest": str(Path(manifest_path).resolve()),
-            "search": to_dict(config.search_options())}
+    header = {"format": _JOURNAL_FORMAT, "model": str(model), "model_size": stat.st_size,
+              "model_mtime_ns": stat.st_mtime_ns, "manifest": str(Path(manifest_path).resolve()),
+              "search": to_dict(config.search_options())}
+    if config.lexicon:
+        words = Path(config.lexicon).resolve()
+        header["lexicon"] = {"path": str(words), "size": words.stat().st_size, "mtime_ns": words.stat().st_mtime_ns}
+    return header
 
 
 class _Journal:

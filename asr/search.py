@@ -60,6 +60,7 @@ class SearchOptions:
     # when the model knows that rate; 0 = no such cap
     pre_beam_ratio: float = 1.5  # CTC scores the int(ratio * beam_size) best tokens of the decoder + eos
     nbest: int = 1  # hypotheses returned per utterance, at most beam_size
+    lexicon: str = ""  # a word list (asr.lexicon): beam search writes only its words; "" = any text
 
     def __post_init__(self) -> None:
         checks = (
@@ -70,6 +71,8 @@ class SearchOptions:
             ("max_rate_factor", self.max_rate_factor == 0 or self.max_rate_factor >= 1, "must be 0 (off) or >= 1"),
             ("pre_beam_ratio", self.pre_beam_ratio >= 1.0, "must be at least 1"),
             ("nbest", 1 <= self.nbest <= self.beam_size, f"must be in [1, beam_size = {self.beam_size}]"),
+            ("lexicon", not self.lexicon or self.mode == "attention",
+             f"applies to beam search (mode attention), not to mode {self.mode}"),
         )
         for name, ok, reason in checks:
             if not ok:
@@ -239,7 +242,8 @@ class BeamSearch:
     """Label-synchronous beam search over B utterances x N hypotheses at once.
 
     Each step: the full scorers score every token of the R hypotheses; the `pre_beam` scorer's
-    best K tokens (eos and `excluded` aside) and eos are each row's candidates; the partial scorers
+    best K tokens (eos and `excluded` aside, and those a `constraints` scorer gives -inf) and eos
+    are each row's candidates; the partial scorers
     score those; weighted sums (weights by scorer name) plus `length_bonus` per token rank the
     N * C candidates of each utterance. Eos candidates among an utterance's best N end (kept,
     the best N per utterance); the best N others continue, each in its parent's row where it can
@@ -252,8 +256,8 @@ class BeamSearch:
 
     def __init__(self, *, full: dict[str, FullScorer], partial: dict[str, PartialScorer], weights: dict[str, float],
                  pre_beam: str, beam_size: int, pre_beam_size: int, eos: int, excluded: tuple[int, ...] = (),
-                 length_bonus: float = 0.0, nbest: int = 1) -> None:
-        self.full, self.partial, self.weights = full, partial, weights
+                 length_bonus: float = 0.0, nbest: int = 1, constraints: tuple[str, ...] = ()) -> None:
+        self.full, self.partial, self.weights, self.constraints = full, partial, weights, constraints
         self.pre_beam, self.beam, self.pre_beam_size, self.eos = pre_beam, beam_size, pre_beam_size, eos
         self.excluded = (eos, *excluded)  # never in the pre-beam (eos is every row's last candidate)
         self.length_bonus, self.nbest = length_bonus, nbest
@@ -283,9 +287,13 @@ class BeamSearch:
         for name, scorer in self.full.items():
             full[name], run.states[name] = scorer.score(run.states[name], run.last)  # (R, V)
         pre = full[self.pre_beam].index_fill(1, excluded, float("-inf"))
-        tokens = pre.topk(self.pre_beam_size, dim=1).indices  # (R, K)
-        candidates = torch.cat([tokens, tokens.new_full((tokens.size(0), 1), self.eos)], dim=1)  # (R, C)
+        for name in self.constraints:  # 0 or -inf
+            pre = pre + full[name]
+        top = pre.topk(self.pre_beam_size, dim=1)  # (R, K)
+        candidates = torch.cat([top.indices, top.indices.new_full((top.indices.size(0), 1), self.eos)], dim=1)  # (R, C)
         scores = run.scores[:, None] + sum(self.weights[name] * lp.gather(1, candidates) for name, lp in full.items())
+        if self.constraints:  # fewer allowed tokens than K: the rest of the pre-beam is filler, never chosen
+            scores[:, :-1].masked_fill_(top.values == float("-inf"), float("-inf"))
         final = torch.zeros_like(run.scores)
         for name, scorer in self.partial.items():
             partial, run.states[name] = scorer.score_partial(run.states[name], candidates)
@@ -434,9 +442,10 @@ def _nbest_lists(scores: torch.Tensor, tokens: torch.Tensor, nbest: int) -> list
 
 
 def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
-                options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+                options: SearchOptions, constraint: FullScorer | None = None) -> list[tuple[Hypothesis, ...]]:
     """Joint CTC/attention beam search (attention only when options.ctc_weight == 0; blank is
-    then an ordinary token of the decoder, as in greedy search, else never a candidate)."""
+    then an ordinary token of the decoder, as in greedy search, else never a candidate).
+    `constraint`: a FullScorer of 0 (allowed) or -inf (not) per token, e.g. asr.lexicon.LexiconScorer."""
     eos, weight = model.config.eos, options.ctc_weight
     partial: dict[str, PartialScorer] = {}
     if weight > 0:
@@ -444,11 +453,14 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
     excluded = (BLANK,) if partial else ()
     pre_beam = options.beam_size if not partial else int(options.pre_beam_ratio * options.beam_size)
     limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
+    full: dict[str, FullScorer] = {"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1)}
+    if constraint is not None:
+        full["constraint"] = constraint
     search = BeamSearch(
-        full={"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1)}, partial=partial,
-        weights={"decoder": 1.0 - weight, "ctc": weight}, pre_beam="decoder", beam_size=options.beam_size,
+        full=full, partial=partial, weights={"decoder": 1.0 - weight, "ctc": weight, "constraint": 1.0},
+        pre_beam="decoder", beam_size=options.beam_size,
         pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
-        length_bonus=options.length_bonus, nbest=options.nbest,
+        length_bonus=options.length_bonus, nbest=options.nbest, constraints=("constraint",) if constraint else (),
     )
     return search(memory, memory_lens, limits)
 
@@ -592,14 +604,20 @@ FEW_ROWS = 16
 
 @torch.no_grad()
 def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
-                  options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+                  options: SearchOptions, constraint: FullScorer | None = None) -> list[tuple[Hypothesis, ...]]:
     """The n-best (at most options.nbest, best first) of each utterance of an encoder output;
     without encoder frames (input shorter than the subsampling's receptive field), the empty
-    hypothesis with score 0."""
+    hypothesis with score 0. `constraint` (beam search only): the compiled options.lexicon
+    (asr.lexicon.LexiconScorer; Recognizer.decode makes it), required when options.lexicon is set."""
+    if options.lexicon and constraint is None:
+        raise ValueError(f"decoding.lexicon = {options.lexicon!r} needs its compiled constraint "
+                         "(asr.lexicon.LexiconScorer; Recognizer.decode makes it)")
     if memory.size(1) == 0:
         return [(Hypothesis((), 0.0),) for _ in range(memory.size(0))]
     rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
     with _intra_op_threads(1 if rows <= FEW_ROWS and memory.device.type == "cpu" else None):
+        if options.lexicon:
+            return beam_search(model, memory, memory_lens, options, constraint)
         return SEARCHES[options.mode](model, memory, memory_lens, options)
 
 

@@ -87,9 +87,12 @@ def test_prepare_kaldi_tokenizer_cmvn_pipeline(tmp_path):
     assert {u["id"] for u in utts} >= {"utt0", "sp0.9-utt0", "sp1.1-utt3"}
     assert next(u for u in utts if u["id"] == "utt0")["text"] == "HELLO WORLD"
 
-    out = asr("tokenizer", "--manifest", manifest, "--kind", "char", "--out", tmp_path / "tok")
+    out = asr("tokenizer", "--manifest", manifest, "--kind", "char", "--out", tmp_path / "tok",
+              "--words", tmp_path / "words.txt")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    words = (tmp_path / "words.txt").read_text().split("\n")
+    assert "HELLO" in words and "WORLD" in words and words == sorted(set(words) - {""}) + [""]
     out = asr("tokenizer", "--manifest", manifest, "--kind", "bpe", "--vocab-size", "10000", "--out", tmp_path / "b")
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
 

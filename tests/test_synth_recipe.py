@@ -30,6 +30,10 @@ def test_stages_are_skipped_when_done_and_rerun_from_stage(tmp_path):
     data = tmp_path / "data"
     assert len((data / "train.jsonl").read_text().splitlines()) == 12
     assert json.loads((data / "lang_char" / "tokenizer.json").read_text())["kind"] == "char"
+    # the training words, the lexicon stage 5 decodes with
+    texts = [json.loads(line)["text"] for line in (data / "train.jsonl").read_text().splitlines()]
+    train_words = {w for text in texts for w in text.split()}
+    assert (data / "words.txt").read_text().split() == sorted(train_words)
     # CMVN with the config's mel bins (conf/synth.yaml: 40), and the training features dumped beside it
     assert len(json.loads((data / "cmvn.json").read_text())["sum"]) == 40
     index = json.loads((data / "feats_train" / "index.json").read_text())

@@ -7,8 +7,10 @@
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
-#   0 synthesize train/dev/test    1 tokenizer (the config's)  2 CMVN statistics + training features
-#   3 train                        4 average checkpoints      5 decode the test set
+#   0 synthesize train/dev/test    1 tokenizer (the config's) and the training words
+#   2 CMVN statistics + training features                     3 train
+#   4 average checkpoints          5 decode the test set: with the training words as the lexicon
+#                                    (the result) and without one
 #   6 results table and a transcription of one test file
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
     --data-dir) data=$(abspath "$2"); shift 2;;
     --exp-dir) exp=$(abspath "$2"); shift 2;;
     --nproc) nproc=$2; shift 2;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
   esac
@@ -81,8 +83,9 @@ print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels)
 [ -n "${kind:-}" ] || { echo "run.sh: cannot read the tokenizer section of $config" >&2; exit 1; }
 lang=$data/lang_$kind; size_args=()
 [ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
-run_stage 1 "tokenizer ($kind${size_args:+ $vocab})" \
-  asr tokenizer --manifest "$data/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$lang"
+run_stage 1 "tokenizer ($kind${size_args:+ $vocab}) and the training words" \
+  asr tokenizer --manifest "$data/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$lang" \
+  --words "$data/words.txt"
 # CMVN statistics, and the training features dumped in the same pass (float16, no dither): read by
 # training instead of decoding FLAC and computing fbank every epoch, which took a quarter of a step
 run_stage 2 "CMVN statistics and training features ($n_mels mel bins)" \
@@ -101,19 +104,27 @@ run_stage 3 "train $(basename "$config")" train
 # the last 5 checkpoints (every 200 steps): with the earlier 3-epoch schedule, dev WER 18.1% against
 # 25.3% for the best 3 epochs (which include the first, far behind at a short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
-run_stage 5 "decode the test set (beam search, CTC weight 0.3)" \
+# The test sentences use the training vocabulary (new sentences, not new words), so the recipe's
+# result decodes with the training words as a closed lexicon (asr.lexicon: every hypothesis is a
+# sequence of those words); decode_test_open is the same search without it.
+decode() {
   asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
-  --config "$root/conf/decode/synth.yaml"
+    --config "$root/conf/decode/synth.yaml" decoding.lexicon="$data/words.txt"
+  asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test_open" \
+    --config "$root/conf/decode/synth.yaml"
+}
+run_stage 5 "decode the test set (beam search, CTC weight 0.3; with and without the lexicon)" decode
 results() {
-  python - "$exp/decode_test/wer.json" <<'PY'
+  python - "$exp/decode_test/wer.json" "$exp/decode_test_open/wer.json" <<'PY'
 import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"| test set (unseen sentences and accents) | utterances {r['utterances']} | words {r['words']} "
-      f"| WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
+for path, what in zip(sys.argv[1:], ["training words as the lexicon", "open vocabulary"]):
+    r = json.load(open(path))
+    print(f"| test set (unseen sentences and accents), {what} | utterances {r['utterances']} "
+          f"| words {r['words']} | WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
 PY
   first=$(head -1 "$data/test.jsonl" | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
   echo "transcribing ${first%% |*} (reference: ${first#*| })"
-  asr transcribe --model "$exp/model_avg.pt" "$data/${first%% |*}"
+  asr transcribe --model "$exp/model_avg.pt" --lexicon "$data/words.txt" "$data/${first%% |*}"
 }
 run_stage 6 "results" results
 say "finished: stages $stage-$((stop_stage < 6 ? stop_stage : 6)) in $SECONDS s"
