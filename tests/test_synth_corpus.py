@@ -85,14 +85,38 @@ def test_spliced_sentences_reuse_runs_of_training_words_and_never_a_held_out_sen
         make_text.splice_some(train, 1.5, seed=0)
 
 
+def test_random_word_sentences_draw_from_the_vocabulary():
+    train = make_text.make_sentences(2000, "train", seed=0)
+    mixed = make_text.random_words_some(train, 0.1, seed=0)
+    replaced = [m for m, t in zip(mixed, train) if m != t]
+    assert 150 < len(replaced) < 250  # about a tenth
+    vocabulary, pairs = make_text.vocabulary(), {p for s in train for p in zip(s.split(), s.split()[1:])}
+    for s in replaced:
+        assert make_text.SPLICE_LENGTH[0] <= len(s.split()) <= make_text.SPLICE_LENGTH[1], s
+        assert set(s.split()) <= vocabulary and make_text.is_normalized(s)
+    new_pairs = [p for s in replaced for p in zip(s.split(), s.split()[1:]) if p not in pairs]
+    assert len(new_pairs) > 0.9 * sum(len(s.split()) - 1 for s in replaced)  # word pairs no template has
+    assert mixed == make_text.random_words_some(train, 0.1, seed=0)
+    assert mixed != make_text.random_words_some(train, 0.1, seed=1)
+    assert make_text.random_words_some(train, 0.0, seed=0) == train
+    with pytest.raises(ValueError, match="within"):
+        make_text.random_words_some(train, -0.1, seed=0)
+
+
 def test_generated_splits_hold_spliced_training_sentences_only_in_train():
-    texts = synthesize.generated_texts({"train": 1000, "dev": 100, "test": 100}, seed=3, spliced=0.5)
+    num = {"train": 1000, "dev": 100, "test": 100}
+    texts = synthesize.generated_texts(num, seed=3, spliced=0.5, random_words=0.0)
     template_sentences = set(make_text.make_sentences(1100, "train", seed=3))
     assert set(texts["dev"]) <= template_sentences  # dev: whole training-template sentences
     assert 400 < sum(s not in template_sentences for s in texts["train"]) < 600
     assert not set(texts["train"]) & (set(texts["dev"]) | set(texts["test"]))
-    unspliced = synthesize.generated_texts({"train": 1000, "dev": 100, "test": 100}, seed=3, spliced=0.0)
+    unspliced = synthesize.generated_texts(num, seed=3, spliced=0.0, random_words=0.0)
     assert unspliced["train"] == make_text.make_sentences(1000, "train", seed=3)
+    # the default: spliced, then a tenth random words; never a dev or test sentence
+    default = synthesize.generated_texts(num, seed=3)
+    assert default["train"] == make_text.random_words_some(
+        synthesize.generated_texts(num, seed=3, random_words=0.0)["train"], synthesize.RANDOM_WORDS, 3)
+    assert not set(default["train"]) & (set(default["dev"]) | set(default["test"]))
 
 
 @pytest.mark.parametrize("n, words", [

@@ -12,7 +12,8 @@ toolkit's way: upper-case letters, digits, apostrophes inside words and single s
 
 The recipe's training set replaces most template sentences by spliced ones (`splice_some`): runs
 of 2-5 words cut from several training sentences and joined, so that the model learns words and
-word pairs rather than whole frames.
+word pairs rather than whole frames; and a tenth of them by random words of the vocabulary
+(`random_words_some`), so that it does not hold on to the word pairs either.
 
     python recipes/synth/local/make_text.py --num 5 --split test --seed 1   # Kaldi-style lines
 """
@@ -743,6 +744,26 @@ def splice_some(sentences: Sequence[str], fraction: float, seed: int, avoid: Ite
                 seen.add(s)
                 out[i] = s
                 break
+    return out
+
+
+def random_words_some(sentences: Sequence[str], fraction: float, seed: int) -> list[str]:
+    """`sentences` with about `fraction` of them (chosen at random) replaced by SPLICE_LENGTH
+    words drawn uniformly from the whole vocabulary: deterministic given the seed.
+
+    Why: spliced sentences still keep the training templates' word pairs inside their runs, and the
+    decoder learns those pairs as a language model; the test frames put common words in pairs the
+    training text never has (IF IT, IT IS, WE WILL). Random-word sentences teach it that any word
+    may follow any other. See synthesize.RANDOM_WORDS for the measurements.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the random-word fraction must be within [0, 1], not {fraction}")
+    rng, words = random.Random(f"synth-salad:{seed}"), sorted(vocabulary())
+    out = []
+    for sentence in sentences:
+        if rng.random() < fraction:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(*SPLICE_LENGTH)))
+        out.append(sentence)
     return out
 
 
