@@ -2,13 +2,15 @@
 
     python recipes/synth/local/synthesize.py --out-dir DATA --num-train N --num-dev M --num-test K \\
         [--seed S] [--text FILE] [--jobs J] [--test-accents en-gb-scotland,en-us-nyc] [--spliced F]
+        [--random-words F]
 
 writes DATA/wav/<split>/<id>.flac (16 kHz mono 16-bit FLAC) and DATA/{train,dev,test}.jsonl,
 manifests in the DESIGN.md format: {"id", "audio" (relative to DATA), "duration" (frames / 16000,
 exact), "text" (normalized), "speaker" ("<accent>+<variant>")}, sorted by id.
 
 Splits. train: sentences of the training templates, a fraction of them (--spliced) replaced by
-sentences spliced from runs of words of the others, training accents. dev: other sentences of
+sentences spliced from runs of words of the others, then a fraction (--random-words) by random
+words of the vocabulary, training accents. dev: other sentences of
 the training templates (none in train), training accents. test: sentences of the test templates
 (none in train or dev), spoken only in the held-out accents: whole eSpeak language voices, not
 variants of trained ones. Every utterance draws its voice variant, speed (words per minute),
