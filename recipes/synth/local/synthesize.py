@@ -10,12 +10,12 @@ exact), "text" (normalized), "speaker" ("<accent>+<variant>")}, sorted by id.
 
 Splits. train: sentences of the training templates, a fraction of them (--spliced) replaced by
 sentences spliced from runs of words of the others, then a fraction (--random-words) by random
-words of the vocabulary, training accents. dev: other sentences of
-the training templates (none in train), training accents. test: sentences of the test templates
-(none in train or dev), spoken only in the held-out accents: whole eSpeak language voices, not
-variants of trained ones. Every utterance draws its voice variant, speed (words per minute),
-pitch, pitch range, volume and edge silences at random; the plan is deterministic given the seed
-(the samples are not bit-exact: eSpeak keeps state between utterances).
+words of the vocabulary, training accents. dev: other sentences of the training templates (none
+in train), training accents. test: sentences of the test templates (none in train or dev), spoken
+only in the held-out accents: whole eSpeak language voices, not variants of trained ones. Every
+utterance draws its voice variant, speed (words per minute), pitch, pitch range, volume and edge
+silences at random; the plan is deterministic given the seed (the samples are not bit-exact:
+eSpeak keeps state between utterances).
 
 Re-running is cheap: a FLAC whose stored plan key matches is kept; files are written to a
 temporary name and renamed, and manifests are written last, atomically. eSpeak is not
