@@ -45,8 +45,8 @@ class LexiconError(ValueError):
 def read_words(path: str | os.PathLike) -> list[str]:
     """The words of a word list: the first field of every non-empty line, normalized as
     transcripts are (asr.metrics.normalize_text; a field that normalizes to several words gives
-    each of them, one that normalizes to nothing is dropped), deduplicated, in file order. Kaldi's lexicon.txt (word,
-    then its pronunciation) reads the same way."""
+    each of them, one that normalizes to nothing is dropped), deduplicated, in file order.
+    Kaldi's lexicon.txt (word, then its pronunciation) reads the same way."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

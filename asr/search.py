@@ -247,11 +247,10 @@ class BeamSearch:
     name) plus `length_bonus` per token rank the N * C candidates of each utterance. Eos candidates
     among an utterance's best N end (kept, the best N per utterance); the best N others continue,
     each in its parent's row where it can (see _stable_slots: the order of the rows of an
-    utterance means nothing). An utterance leaves
-    the batch when it has N ended hypotheses, when it reached its maximum length (all cut), or
-    when (with length_bonus <= 0, so scores only fall) its nbest-th ended hypothesis beats every
-    running one; the utterances behind fill its rows. One host synchronization per step: how many
-    utterances and rows stay and move.
+    utterance means nothing). An utterance leaves the batch when it has N ended hypotheses, when
+    it reached its maximum length (all cut), or when (with length_bonus <= 0, so scores only fall)
+    its nbest-th ended hypothesis beats every running one; the utterances behind fill its rows.
+    One host synchronization per step: how many utterances and rows stay and move.
     """
 
     def __init__(self, *, full: dict[str, FullScorer], partial: dict[str, PartialScorer], weights: dict[str, float],
@@ -289,11 +288,12 @@ class BeamSearch:
         pre = full[self.pre_beam].index_fill(1, excluded, float("-inf"))
         for name in self.constraints:  # 0 or -inf
             pre = pre + full[name]
-        top = pre.topk(self.pre_beam_size, dim=1)  # (R, K)
-        candidates = torch.cat([top.indices, top.indices.new_full((top.indices.size(0), 1), self.eos)], dim=1)  # (R, C)
+        top = pre.topk(self.pre_beam_size, dim=1)  # (R, K) each
+        tokens = top.indices
+        candidates = torch.cat([tokens, tokens.new_full((tokens.size(0), 1), self.eos)], dim=1)  # (R, C)
         scores = run.scores[:, None] + sum(self.weights[name] * lp.gather(1, candidates) for name, lp in full.items())
-        if self.constraints:  # fewer allowed tokens than K: the rest of the pre-beam is filler, never chosen
-            scores[:, :-1].masked_fill_(top.values == float("-inf"), float("-inf"))
+        # fewer usable tokens than K (a constraint's -inf, or excluded ones): the rest is filler, never chosen
+        scores[:, :-1].masked_fill_(top.values == float("-inf"), float("-inf"))
         final = torch.zeros_like(run.scores)
         for name, scorer in self.partial.items():
             partial, run.states[name] = scorer.score_partial(run.states[name], candidates)
