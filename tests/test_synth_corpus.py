@@ -47,6 +47,18 @@ def test_test_templates_are_disjoint_from_training_and_add_no_words():
     assert not train & set(make_text.make_sentences(500, "test", seed=0))
 
 
+def test_no_test_template_shares_three_literal_words_in_a_row_with_a_training_template():
+    """The test frames are new: no run of three literal (non-slot) words of a test template
+    appears in any training template, so the training text never holds a test frame's phrase."""
+    def literal_runs(template: str) -> set[tuple[str, ...]]:
+        tokens = template.split()
+        return {tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2)
+                if not any("{" in t for t in tokens[i:i + 3])}
+    train = set().union(*map(literal_runs, make_text.TRAIN_TEMPLATES))
+    for template in make_text.TEST_TEMPLATES:
+        assert not literal_runs(template) & train, template
+
+
 def test_sentences_are_normalized_distinct_and_deterministic():
     for split in ("train", "test"):
         sentences = make_text.make_sentences(300, split, seed=7)
