@@ -113,7 +113,7 @@ decode() {
   asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test_open" \
     --config "$root/conf/decode/synth.yaml"
 }
-run_stage 5 "decode the test set (beam search, CTC weight 0.2; with and without the lexicon)" decode
+run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml; with and without the lexicon)" decode
 results() {
   python - "$exp/decode_test/wer.json" "$exp/decode_test_open/wer.json" <<'PY'
 import json, sys
