@@ -147,7 +147,7 @@ class Recognizer:
         self.model = model.to(self.device).eval()
         self.tokenizer, self.features, self.cmvn = tokenizer, features, cmvn.to(self.device)
         self.options = options or SearchOptions(mode="attention")
-        self._lexicons: dict[str, Lexicon] = {}
+        self._lexicons: dict[str, tuple[tuple[int, int] | None, Lexicon]] = {}  # path: (size, mtime), compiled
 
     def transcribe(
         self,
@@ -210,12 +210,19 @@ class Recognizer:
         return out
 
     def lexicon(self, path: str | os.PathLike) -> Lexicon:
-        """The word list at `path` compiled for this model's tokenizer (once per path; LexiconError
-        when it cannot be read or used)."""
+        """The word list at `path` compiled for this model's tokenizer: once per path, and again when
+        the file has changed (its size or modification time); LexiconError when it cannot be read
+        or used."""
         key = os.fspath(path)
-        if key not in self._lexicons:
-            self._lexicons[key] = Lexicon.from_file(key, self.tokenizer).to(self.device)
-        return self._lexicons[key]
+        try:
+            stat = os.stat(key)
+            stamp = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            stamp = None  # from_file says why, naming the file
+        cached = self._lexicons.get(key)
+        if cached is None or stamp is None or cached[0] != stamp:
+            self._lexicons[key] = (stamp, Lexicon.from_file(key, self.tokenizer).to(self.device))
+        return self._lexicons[key][1]
 
     def text(self, tokens: Iterable[int]) -> str:
         return self.tokenizer.decode(list(tokens))

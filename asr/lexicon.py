@@ -190,4 +190,8 @@ class LexiconScorer:
         return self.lexicon.advance(state[selection.rows].clamp(min=0), selection.tokens)
 
     def final_score(self, state: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(state.shape, device=state.device)  # ending is scored as the eos token
+        """0 where a hypothesis may end (after a whole word), -inf elsewhere: the eos token is
+        constrained the same way, and a hypothesis cut at the search's length limit is then never
+        returned in the middle of a word (the utterance keeps its other hypotheses, or none)."""
+        may_end = self.lexicon._may_end[state.clamp(min=0)] & (state >= 0)
+        return torch.zeros(state.shape, device=state.device).masked_fill_(~may_end, float("-inf"))

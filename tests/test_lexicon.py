@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -136,15 +137,16 @@ def test_search_writes_only_lexicon_words_batched_as_alone(options):
     memory, lens = random_memory(model, LENGTHS, 5)
     tok, batched = constrained(model, memory, lens, options)
     written = set()
+    cut = 0
     for b, nbest in enumerate(batched):
-        for h in nbest:
-            if len(h.tokens) < LENGTHS[b]:  # a hypothesis cut at the length limit may end mid-word
-                assert set(tok.decode(h.tokens).split()) <= set(SEARCH_WORDS), tok.decode(h.tokens)
-                written |= set(tok.decode(h.tokens).split())
+        for h in nbest:  # those cut at the length limit too: never in the middle of a word
+            assert set(tok.decode(h.tokens).split()) <= set(SEARCH_WORDS), tok.decode(h.tokens)
+            written |= set(tok.decode(h.tokens).split())
+            cut += len(h.tokens) == LENGTHS[b]
         alone = constrained(model, memory[b:b + 1, :LENGTHS[b]], lens[b:b + 1], options)[1][0]
         assert [h.tokens for h in alone] == [h.tokens for h in nbest]
         assert [h.score for h in alone] == pytest.approx([h.score for h in nbest], abs=1e-4)
-    assert len(written) >= 2
+    assert len(written) >= 2 and cut >= 1  # cut ones checked too
     unconstrained = {tok.decode(n[0].tokens) for n in decode_memory(model, memory, lens, options)}
     assert not all(set(t.split()) <= set(SEARCH_WORDS) for t in unconstrained)  # the constraint did something
 
@@ -204,6 +206,23 @@ def test_decode_with_a_lexicon(files, tmp_path):
     recognizer = load_model(model)
     texts = [r.text for r in recognizer.transcribe([folder / "u1.wav"], lexicon=folder / "words.txt", beam_size=4)]
     assert set(texts[0].split()) <= set(SEARCH_WORDS)
+
+
+def test_a_changed_word_list_is_compiled_again(files, tmp_path):
+    model, folder = files
+    recognizer, words = load_model(model), tmp_path / "words.txt"
+    words.write_text("AB\nHE\n")
+    first = recognizer.lexicon(words)
+    assert recognizer.lexicon(words) is first and first.num_words == 2  # compiled once per path
+    words.write_text("AB\nHE\nCAFE\n")
+    later = words.stat().st_mtime_ns + 10**9  # a coarse file-system clock could hide the rewrite
+    os.utime(words, ns=(later, later))
+    assert recognizer.lexicon(words).num_words == 3  # not the stale list
+    texts = [r.text for r in recognizer.transcribe([folder / "u1.wav"], lexicon=words, beam_size=4)]
+    assert set(texts[0].split()) <= {"AB", "HE", "CAFE"}
+    words.unlink()
+    with pytest.raises(LexiconError, match="cannot read the word list"):
+        recognizer.lexicon(words)  # a list that went away is not served from the cache
 
 
 def test_a_bad_lexicon_is_one_line_naming_the_file(files, tmp_path):
