@@ -11,11 +11,15 @@ the tokenizer's own segmentation).
 
 Shapes: R hypotheses (rows), V tokens, E transitions. States are trie node indices; state 0 is
 the start (nothing written), `sp` the state after a separator piece that carried no letters.
-Transitions are held as sorted keys (state * V + token) and looked up with searchsorted, so a
-step costs O(R * V log E) with no host synchronization, and memory is O(E) whatever V is. Measured
-on one CPU thread (2026-11-30): 94,406 words against 5,002 BPE tokens compile in 3 s into 994,645
-transitions, and the masks of 640 rows (32 utterances x beam 20) take ~170 ms a step, which is
-worth a GPU at that size; at the synth recipe's 256 tokens they cost next to nothing.
+Transitions are held as sorted keys (state * V + token), so a state's transitions are one run of
+them: a step gathers each row's run (at most a few keys for nearly every state) into its (V,)
+mask, and the few states with many transitions (the start, `sp`, short prefixes) keep dense rows
+of their allowed tokens (DENSE_BYTES at most). No host synchronization; memory is O(E) plus the
+dense rows, whatever V is. `advance` looks each row's chosen token up by binary search. Measured
+on one CPU thread (2026-11-30, `tools/bench_lexicon.py`): 94,000 invented words against 5,002 BPE
+tokens compile in 2.4 s into 691,295 transitions and 3,230 dense rows (15 MB); the masks of 640
+rows (32 utterances x beam 20) take 3.4 ms a step, against 99 ms for a binary search of every
+(state, token) pair, the earlier way (20 rows: 0.18 against 2.5 ms).
 
     lexicon = Lexicon.from_file("words.txt", tokenizer)   # one word per line, first field
     options = SearchOptions(mode="attention", lexicon="words.txt")  # with Recognizer.decode
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from asr.search import Selection
 
 __all__ = ["Lexicon", "LexiconError", "LexiconScorer", "read_words"]
+
+DENSE_BYTES = 32 * 2**20  # at most this much for the dense rows of the states with many transitions
 
 
 class LexiconError(ValueError):
@@ -113,6 +119,28 @@ class Lexicon:
         self._starts[[t for t in initial.values() if t in edges]] = True
         # (states,): a word has just ended, or nothing is written yet; sp (last) may not end
         self._may_end = torch.tensor([*ends, False], dtype=torch.bool)
+        self._tables(len(nodes) + 1)
+
+    def _tables(self, states: int) -> None:
+        """The tables of `allowed`: a state's transitions are a run of the sorted keys, found by
+        `_offsets`; the few states with more than `_width` of them (the start, `sp`, short
+        prefixes) get a dense row of allowed tokens instead, so a step gathers at most `_width`
+        keys per row."""
+        v = self.vocab_size
+        self._offsets = torch.searchsorted(self._keys, torch.arange(states + 1) * v)  # (states + 1,)
+        degree = self._offsets[1:] - self._offsets[:-1]
+        width = 16  # the smallest power of two whose dense rows fit in DENSE_BYTES
+        while int((degree > width).sum()) * (v + 1) > DENSE_BYTES:
+            width *= 2
+        wide = (degree > width).nonzero()[:, 0]
+        self._width = min(width, int(degree.max()) if states else 0)
+        self._degree = degree.masked_fill(degree > width, 0)  # (states,) keys gathered per row
+        self._dense_row = torch.full((states,), len(wide), dtype=torch.long)  # (states,): the last row is empty
+        self._dense_row[wide] = torch.arange(len(wide))
+        self._dense = torch.zeros(len(wide) + 1, v + 1, dtype=torch.bool)  # column v: where unused gathers land
+        for row, state in enumerate(wide.tolist()):
+            lo, hi = int(self._offsets[state]), int(self._offsets[state + 1])
+            self._dense[row, self._keys[lo:hi] - state * v] = True
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer: Tokenizer) -> Lexicon:
@@ -132,8 +160,8 @@ class Lexicon:
             return self
         other = object.__new__(Lexicon)
         other.__dict__.update(self.__dict__)
-        other._keys, other._next, other._starts, other._may_end = (
-            x.to(device) for x in (self._keys, self._next, self._starts, self._may_end))
+        names = ("_keys", "_next", "_starts", "_may_end", "_offsets", "_degree", "_dense_row", "_dense")
+        other.__dict__.update({name: getattr(self, name).to(device) for name in names})
         return other
 
     def start(self, rows: int) -> torch.Tensor:
@@ -142,8 +170,14 @@ class Lexicon:
 
     def allowed(self, states: torch.Tensor) -> torch.Tensor:
         """(R, V) bool: the tokens (eos included) each state (R,) may take next."""
-        tokens = torch.arange(self.vocab_size, device=states.device)
-        found = self._find(states[:, None] * self.vocab_size + tokens) >= 0  # (R, V)
+        v = self.vocab_size
+        found = self._dense[self._dense_row[states]]  # (R, V + 1): a wide state's row, else empty
+        if self._width:
+            gather = self._offsets[states][:, None] + torch.arange(self._width, device=states.device)  # (R, W)
+            tokens = self._keys[gather.clamp(max=self._keys.numel() - 1)] - states[:, None] * v
+            unused = torch.arange(self._width, device=states.device) >= self._degree[states][:, None]
+            found.scatter_(1, tokens.masked_fill(unused, v), True)
+        found = found[:, :v]
         begins = self._starts & self._may_end[states][:, None]  # (R, V): a new word after an ended one
         allowed = found | begins
         allowed[:, self.eos] = self._may_end[states]

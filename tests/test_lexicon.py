@@ -14,6 +14,7 @@ import torch
 from test_api import TOKENS, speechlike, write_model_file
 from test_beam_search import JOINT, LENGTHS, attention_log_prob, ctc_log_prob, random_memory, tiny_model
 
+import asr.lexicon as lexicon_module
 from asr.api import load_model
 from asr.decode import DecodingConfig, decode_manifest
 from asr.lexicon import Lexicon, LexiconError, LexiconScorer, read_words
@@ -53,6 +54,25 @@ def walk(lexicon: Lexicon, tokens: list[int]) -> tuple[bool, bool]:
 def tokenizer(request):
     kind = request.param
     return train_tokenizer(TEXTS, kind, {"bpe": 40, "unigram": 34}.get(kind))
+
+
+@pytest.mark.parametrize("dense_bytes", [0, 10**9], ids=["gathers-only", "dense-rows"])
+def test_allowed_is_every_transition_of_the_state(tokenizer, dense_bytes, monkeypatch):
+    """The masks equal the transitions themselves, whether a state's row is gathered from its run
+    of keys or kept dense (DENSE_BYTES 0: none dense; 10**9: every state with over 16 keys)."""
+    monkeypatch.setattr(lexicon_module, "DENSE_BYTES", dense_bytes)
+    lexicon = compiled(tokenizer)
+    v = lexicon.vocab_size
+    states = torch.arange(lexicon.sp + 1)
+    edges = {(k // v, k % v) for k in lexicon._keys.tolist()}
+    want = torch.zeros(len(states), v, dtype=torch.bool)
+    for state, token in edges:
+        want[state, token] = True
+    want |= lexicon._starts & lexicon._may_end[states][:, None]
+    want[:, lexicon.eos] = lexicon._may_end[states]
+    assert torch.equal(lexicon.allowed(states), want)
+    assert torch.equal(lexicon.allowed(states.flip(0)), want.flip(0))  # rows in any order
+    assert (lexicon._dense.size(0) > 1) == (dense_bytes > 0 and int((lexicon._offsets.diff() > 16).sum()) > 0)
 
 
 def test_every_lexicon_sentence_walks_to_an_end(tokenizer):
