@@ -208,16 +208,35 @@ def test_manifests_match_the_flac_files(corpus):
 def test_audio_has_a_noise_floor_at_the_planned_snr(corpus):
     """No digital silence (it decodes to a log-mel floor that training, with its dither, never
     sees): the edges hold the planned white noise, speech RMS / noise RMS = the plan's snr_db."""
-    plan = {u.id: u for u in synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1)["train"]}
-    for u in read_jsonl(corpus / "train.jsonl"):
+    plans = synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1)
+    plan = {u.id: u for split in ("train", "dev") for u in plans[split]}
+    checked = 0
+    for u in read_jsonl(corpus / "train.jsonl") + read_jsonl(corpus / "dev.jsonl"):
         samples = sf.read(str(corpus / u["audio"]), dtype="float64")[0] * 32768
         utt = plan[u["id"]]
         assert synthesize.NOISE_SNR_DB[0] <= utt.snr_db <= synthesize.NOISE_SNR_DB[1]
         assert np.mean(samples == 0) < 0.01
+        if utt.lead < 0.02:  # a trimmed edge (training only): no noise-only stretch to measure
+            continue
+        checked += 1
         edge = samples[:int(utt.lead * 16000) - 10]  # noise only
         speech_rms = np.sqrt(np.mean(np.square(samples)))
         snr = 20 * np.log10(speech_rms / np.sqrt(np.mean(np.square(edge))))
         assert abs(snr - utt.snr_db) < 3.0, (u["id"], snr, utt.snr_db)
+    assert checked >= 3
+
+
+def test_only_training_utterances_have_trimmed_edges():
+    """A share of the training utterances start or end at the speech's first or last sample; dev
+    and test keep their edge silences, as before."""
+    texts = ["HELLO THERE"] * 2000
+    train = synthesize.plan_split("train", texts, synthesize.voices(("en-us",)), seed=0)
+    trimmed = [u.lead == 0 for u in train] + [u.tail == 0 for u in train]
+    assert abs(sum(trimmed) / len(trimmed) - synthesize.TRIMMED_EDGE) < 0.03
+    for split in ("dev", "test"):
+        plan = synthesize.plan_split(split, texts, synthesize.voices(("en-us",)), seed=0)
+        low, high = synthesize.EDGE_SILENCE
+        assert all(low <= e <= high for u in plan for e in (u.lead, u.tail))
 
 
 def test_test_accents_are_never_heard_in_training(corpus):
