@@ -74,8 +74,9 @@ VOLUME = (50, 100)         # espeakVOLUME, percent (default 100; louder variants
 EDGE_SILENCE = (0.05, 0.3)  # seconds of silence added before and after the speech
 # Training only: each edge of a training utterance is left without silence with this probability,
 # so that the model hears speech that starts or stops at the first or last sample (tightly trimmed
-# audio). Without it, the recipe's model of 2026-11-30 read 200 dev sentences re-spoken without
-# edge silence at 10.9% WER against 2.2% with it: it lost first and last words.
+# audio). Without it, round 6's model read dev's 200 sentences spoken again without edge silence
+# at 10.9% WER against 2.2% with it (it lost first and last words); trained with it, 4.3% against
+# 2.0% (recipes/README.md, round 7).
 TRIMMED_EDGE = 0.2
 # Background noise, white, at this signal-to-noise ratio (dB: RMS of the nonzero speech samples
 # over the noise RMS). eSpeak writes exact zeros between words and we add silent edges: 15-30% of
