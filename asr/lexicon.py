@@ -133,7 +133,7 @@ class Lexicon:
         while int((degree > width).sum()) * (v + 1) > DENSE_BYTES:
             width *= 2
         wide = (degree > width).nonzero()[:, 0]
-        self._width = min(width, int(degree.max()) if states else 0)
+        self._width = min(width, int(degree.max()))  # 0 when there are no transitions at all
         self._degree = degree.masked_fill(degree > width, 0)  # (states,) keys gathered per row
         self._dense_row = torch.full((states,), len(wide), dtype=torch.long)  # (states,): the last row is empty
         self._dense_row[wide] = torch.arange(len(wide))

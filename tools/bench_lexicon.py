@@ -7,8 +7,9 @@ LibriSpeech-sized word list, against the plain lookup it replaced. Prints a tabl
 The word list is invented (tools/bench_train.py's make_lexicon: 1-3 syllable words), and the BPE
 tokenizer is trained on Zipf-distributed sentences of it plus every word once, so that its pieces
 split the words as sentencepiece splits a real vocabulary. The states are those a search meets:
-every prefix state of `--rows` random words spelled by the tokenizer's own pieces, drawn at
-random. Each time is the median of `--steps` calls after 3 warm-up calls, on `--threads` threads.
+every state on the way while spelling 2,000 random words with the tokenizer's own pieces, each
+step's `--rows` drawn from them at random. Each time is the median of `--steps` calls after 3
+warm-up calls, on `--threads` threads.
 
 - allowed_ms: `Lexicon.allowed` as it is: a gather of each state's transitions (a run of the sorted
   keys), dense rows for the few states with many.
