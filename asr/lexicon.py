@@ -135,6 +135,7 @@ class Lexicon:
         wide = (degree > width).nonzero()[:, 0]
         self._width = min(width, int(degree.max()))  # 0 when there are no transitions at all
         self._degree = degree.masked_fill(degree > width, 0)  # (states,) keys gathered per row
+        self._columns = torch.arange(self._width)  # (W,) the gather's offsets, made once
         self._dense_row = torch.full((states,), len(wide), dtype=torch.long)  # (states,): the last row is empty
         self._dense_row[wide] = torch.arange(len(wide))
         self._dense = torch.zeros(len(wide) + 1, v + 1, dtype=torch.bool)  # column v: where unused gathers land
@@ -160,7 +161,7 @@ class Lexicon:
             return self
         other = object.__new__(Lexicon)
         other.__dict__.update(self.__dict__)
-        names = ("_keys", "_next", "_starts", "_may_end", "_offsets", "_degree", "_dense_row", "_dense")
+        names = ("_keys", "_next", "_starts", "_may_end", "_offsets", "_degree", "_columns", "_dense_row", "_dense")
         other.__dict__.update({name: getattr(self, name).to(device) for name in names})
         return other
 
@@ -173,9 +174,9 @@ class Lexicon:
         v = self.vocab_size
         found = self._dense[self._dense_row[states]]  # (R, V + 1): a wide state's row, else empty
         if self._width:
-            gather = self._offsets[states][:, None] + torch.arange(self._width, device=states.device)  # (R, W)
+            gather = self._offsets[states][:, None] + self._columns  # (R, W)
             tokens = self._keys[gather.clamp(max=self._keys.numel() - 1)] - states[:, None] * v
-            unused = torch.arange(self._width, device=states.device) >= self._degree[states][:, None]
+            unused = self._columns >= self._degree[states][:, None]
             found.scatter_(1, tokens.masked_fill(unused, v), True)
         found = found[:, :v]
         begins = self._starts & self._may_end[states][:, None]  # (R, V): a new word after an ended one
