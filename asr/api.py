@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -29,6 +29,8 @@ from asr.checkpoint import CheckpointError, load_file
 from asr.config import from_dict
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
 from asr.lexicon import Lexicon, LexiconScorer
+from asr.lm import NgramLM, rescore
+from asr.metrics import normalize_text
 from asr.model import ASRModel, ModelConfig
 from asr.search import Hypothesis, SearchOptions, decode_memory
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
@@ -148,6 +150,7 @@ class Recognizer:
         self.tokenizer, self.features, self.cmvn = tokenizer, features, cmvn.to(self.device)
         self.options = options or SearchOptions(mode="attention")
         self._lexicons: dict[str, tuple[tuple[int, int] | None, Lexicon]] = {}  # path: (size, mtime), compiled
+        self._lms: dict[str, tuple[tuple[int, int] | None, NgramLM]] = {}  # path: (size, mtime), model
 
     def transcribe(
         self,
@@ -158,6 +161,8 @@ class Recognizer:
         ctc_weight: float | None = None,
         length_bonus: float | None = None,
         lexicon: str | os.PathLike | None = None,
+        lm: str | os.PathLike | None = None,
+        lm_weight: float | None = None,
         raw: RawFormat | None = None,
         batch_size: int = 8,
         segmentation: SegmentOptions | None = None,
@@ -165,16 +170,20 @@ class Recognizer:
         """One Result per input, in order. `audio`: a path, a (waveform, sample_rate) pair
         (numpy or torch, (T,) or (T, C)), or a list of them. `raw` reads every path as headerless
         PCM of that format. mode / beam_size / ctc_weight / length_bonus / lexicon (a word list:
-        beam search writes only its words; asr.lexicon) override this recognizer's SearchOptions.
+        beam search writes only its words; asr.lexicon) / lm, lm_weight (an ARPA word n-gram model
+        rescoring the beam; asr.lm) override this recognizer's SearchOptions.
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
         `batch_size` at a time.
         An input that cannot be read gives a Result with `error` set; the others go on."""
         segmentation = segmentation or SegmentOptions()
         overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus,
-                     "lexicon": None if lexicon is None else os.fspath(lexicon)}
+                     "lexicon": None if lexicon is None else os.fspath(lexicon),
+                     "lm": None if lm is None else os.fspath(lm), "lm_weight": lm_weight}
         options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        if options.lexicon:
-            self.lexicon(options.lexicon)  # a bad word list fails here, before any audio is read
+        if options.lexicon:  # a bad word list or LM fails here, before any audio is read
+            self.lexicon(options.lexicon)
+        if options.lm:
+            self.language_model(options.lm)
         inputs = _as_list(audio)
         jobs = [_Job(os.fspath(item) if isinstance(item, (str, os.PathLike)) else None) for item in inputs]
         batches = _Batches(self, options, jobs, batch_size)
@@ -196,7 +205,9 @@ class Recognizer:
     @torch.no_grad()
     def decode(self, feats: Sequence[torch.Tensor], options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
         """n-best of each of the utterances' features (T_i, n_mels); those too short for one
-        encoder frame get the empty hypothesis without decoding."""
+        encoder frame get the empty hypothesis without decoding. With options.lm, beam search
+        returns its whole beam and the LM rescores it (asr.lm.rescore); the scores are then the
+        rescored ones."""
         out: list[tuple[Hypothesis, ...]] = [(Hypothesis((), 0.0),)] * len(feats)
         minimum = self.model.encoder.subsampling.receptive_field
         usable = [i for i, f in enumerate(feats) if f.size(0) >= minimum]
@@ -205,27 +216,47 @@ class Recognizer:
             padded = torch.nn.utils.rnn.pad_sequence([feats[i] for i in usable], batch_first=True)  # (B, T, D)
             memory, memory_lens = self.model.encoder(padded, lens)
             constraint = LexiconScorer(self.lexicon(options.lexicon)) if options.lexicon else None
-            for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options, constraint)):
-                out[i] = nbest
+            search = dataclasses.replace(options, nbest=options.beam_size) if options.lm else options
+            for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, search, constraint)):
+                out[i] = self._rescore(nbest, options) if options.lm else nbest
         return out
+
+    def _rescore(self, nbest: tuple[Hypothesis, ...], options: SearchOptions) -> tuple[Hypothesis, ...]:
+        """The best options.nbest of `nbest` after adding options.lm_weight * ln P_LM(words)."""
+        words = [normalize_text(self.text(h.tokens)).split() for h in nbest]
+        best = rescore([(w, h.score) for w, h in zip(words, nbest)], self.language_model(options.lm),
+                       options.lm_weight, options.nbest)
+        return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
 
     def lexicon(self, path: str | os.PathLike) -> Lexicon:
         """The word list at `path` compiled for this model's tokenizer: once per path, and again when
         the file has changed (its size or modification time); LexiconError when it cannot be read
         or used."""
-        key = os.fspath(path)
-        try:
-            stat = os.stat(key)
-            stamp = (stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            stamp = None  # from_file says why, naming the file
-        cached = self._lexicons.get(key)
-        if cached is None or stamp is None or cached[0] != stamp:
-            self._lexicons[key] = (stamp, Lexicon.from_file(key, self.tokenizer).to(self.device))
-        return self._lexicons[key][1]
+        return _cached(self._lexicons, path, lambda key: Lexicon.from_file(key, self.tokenizer).to(self.device))
+
+    def language_model(self, path: str | os.PathLike) -> NgramLM:
+        """The ARPA model at `path`: read once per path, and again when the file has changed;
+        LMError when it cannot be read."""
+        return _cached(self._lms, path, NgramLM.load)
 
     def text(self, tokens: Iterable[int]) -> str:
         return self.tokenizer.decode(list(tokens))
+
+
+def _cached(cache: dict[str, tuple[tuple[int, int] | None, Any]], path: str | os.PathLike,
+            load: Callable[[str], Any]) -> Any:
+    """cache[path]'s object, loaded again when the file's size or modification time has changed
+    (or it cannot be stat'ed: `load` then says why, naming the file)."""
+    key = os.fspath(path)
+    try:
+        stat = os.stat(key)
+        stamp: tuple[int, int] | None = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        stamp = None
+    cached = cache.get(key)
+    if cached is None or stamp is None or cached[0] != stamp:
+        cache[key] = (stamp, load(key))
+    return cache[key][1]
 
 
 @dataclass

@@ -67,6 +67,25 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lm(args: argparse.Namespace) -> int:
+    from asr.data import read_manifest
+    from asr.fileio import numbered_lines
+    from asr.lm import train_ngram
+    from asr.metrics import normalize_text
+
+    if not args.manifest and not args.text:
+        raise ValueError("give --manifest TRAIN.jsonl or --text FILE (or both)")
+    texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
+    for path in args.text:
+        texts += [normalize_text(line) for _, line in numbered_lines(path)]
+    lm = train_ngram([t.split() for t in texts if t], order=args.order)
+    lm.save(args.out)
+    print(f"{args.out}: {args.order}-gram LM (interpolated Kneser-Ney) of {lm.vocab_size} words, "
+          f"{' / '.join(str(len(p)) for p in lm.probs)} n-grams, from {len(texts)} sentences "
+          f"(for 'asr decode decoding.lm={args.out}')")
+    return 0
+
+
 def cmd_cmvn(args: argparse.Namespace) -> int:
     from asr.data import compute_cmvn, read_manifest
     from asr.features import FeatureConfig
@@ -132,7 +151,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.raw_rate:
         raw = RawFormat(sample_rate=args.raw_rate, subtype=args.raw_format, channels=args.raw_channels)
     recognizer = load_model(args.model, device=args.device or "auto")
-    results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, lexicon=args.lexicon, raw=raw)
+    results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, lexicon=args.lexicon,
+                                    lm=args.lm, lm_weight=args.lm_weight, raw=raw)
     sys.stdout.write(format_results(results, args.format))
     failed = [r for r in results if r.error is not None]
     for r in failed:
@@ -194,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(for 'asr decode decoding.lexicon=WORDS.txt')")
     p.set_defaults(func=cmd_tokenizer)
 
+    p = sub.add_parser("lm", help="train a word n-gram language model (ARPA) on transcripts or text")
+    p.add_argument("--manifest", action="append", default=[], metavar="TRAIN.jsonl",
+                   help="the transcripts of a manifest (repeatable)")
+    p.add_argument("--text", action="append", default=[], metavar="FILE", help="one sentence per line (repeatable)")
+    p.add_argument("--order", type=int, default=3, metavar="N", help="n-gram order (default 3)")
+    p.add_argument("--out", required=True, metavar="LM.arpa")
+    p.set_defaults(func=cmd_lm)
+
     p = sub.add_parser("cmvn", help="global mean/variance statistics of the fbank features")
     p.add_argument("--manifest", required=True, metavar="TRAIN.jsonl")
     p.add_argument("--out", required=True, metavar="CMVN.json")
@@ -243,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--mode", choices=["attention", "ctc_greedy", "ctc_rescore", "greedy"])
     p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
+    p.add_argument("--lm", metavar="LM.arpa", help="rescore the beam with this word n-gram model ('asr lm')")
+    p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default 0.3)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",

@@ -58,6 +58,8 @@ class DecodingConfig:
     pre_beam_ratio: float = 1.5
     nbest: int = 1  # hypotheses kept per utterance (the journal holds them; hyp.txt the best)
     lexicon: str = ""  # a word list, one word per line: beam search writes only its words (asr.lexicon)
+    lm: str = ""  # an ARPA word n-gram model (`asr lm`) rescoring the beam's ended hypotheses (asr.lm)
+    lm_weight: float = 0.3  # search score + lm_weight * ln P_LM(words)
     batch_size: int = 32  # utterances per batch at most
     max_batch_seconds: float = 600.0  # padded seconds (longest x count) per batch at most
     num_workers: int = 2  # processes reading audio and computing features
@@ -73,7 +75,8 @@ class DecodingConfig:
     def search_options(self) -> SearchOptions:
         return SearchOptions(mode=self.mode, beam_size=self.beam_size, ctc_weight=self.ctc_weight,
                              length_bonus=self.length_bonus, max_len_ratio=self.max_len_ratio,
-                             pre_beam_ratio=self.pre_beam_ratio, nbest=self.nbest, lexicon=self.lexicon)
+                             pre_beam_ratio=self.pre_beam_ratio, nbest=self.nbest, lexicon=self.lexicon,
+                             lm=self.lm, lm_weight=self.lm_weight)
 
 
 def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_values: Any) -> DecodingConfig:
@@ -102,13 +105,18 @@ def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathL
     """Decode every utterance of the manifest (resuming from out_dir's journal), write hyp.txt,
     ref.txt, wer.json and errors.txt into out_dir, and return the wer.json dict. Progress and the
     real-time factor go to stderr. A malformed manifest raises ManifestError (file:line) before
-    anything is decoded; a bad model file CheckpointError, a bad word list LexiconError."""
+    anything is decoded; a bad model file CheckpointError, a bad word list LexiconError, a bad LM
+    file LMError."""
     utts = read_manifest(manifest_path)
     recognizer = load_model(model_path, device=config.device, options=config.search_options())
     if config.lexicon:
         lexicon = recognizer.lexicon(config.lexicon)
         unspellable = f" ({lexicon.unspellable} the tokenizer cannot spell, left out)" if lexicon.unspellable else ""
         print(f"decode: lexicon {config.lexicon}: {lexicon.num_words} words{unspellable}", file=sys.stderr)
+    if config.lm:
+        lm = recognizer.language_model(config.lm)
+        print(f"decode: LM {config.lm}: {lm.order}-gram, {lm.vocab_size} words, weight {config.lm_weight}",
+              file=sys.stderr)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     journal = _Journal(out / JOURNAL, _header(model_path, manifest_path, config))
@@ -229,16 +237,17 @@ def _collate(items: list[Example | Skipped]) -> tuple[Batch, list[tuple[str, str
 
 def _header(model_path: str | os.PathLike, manifest_path: str | os.PathLike, config: DecodingConfig) -> dict[str, Any]:
     """What the results depend on: the model file (path, size, time), the manifest, the search
-    (and the word list's size and time when there is one)."""
+    (and the word list's and the LM's size and time when there are ones)."""
     model = Path(model_path).resolve()
     stat = model.stat()
     header = {"format": _JOURNAL_FORMAT, "model": str(model), "model_size": stat.st_size,
               "model_mtime_ns": stat.st_mtime_ns, "manifest": str(Path(manifest_path).resolve()),
               "search": to_dict(config.search_options())}
-    if config.lexicon:
-        words = Path(config.lexicon).resolve()
-        stat = words.stat()
-        header["lexicon"] = {"path": str(words), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    for name in ("lexicon", "lm"):
+        if getattr(config, name):
+            path = Path(getattr(config, name)).resolve()
+            stat = path.stat()
+            header[name] = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return header
 
 

@@ -20,10 +20,13 @@ data (tokens per second, ModelConfig.tokens_per_second), ceil(max_rate_factor * 
 RATE_SLACK: a model that fails to end (a degenerate or badly matched one) then stops at a few
 times the length it was trained on rather than at one token per encoder frame. A hypothesis cut
 there ends without being charged for an eos (as in ESPnet and in greedy search), so its terms are
-log P_att(y) and the CTC prefix probability of y.
+log P_att(y) and the CTC prefix probability of y. With a language model (SearchOptions.lm;
+Recognizer.decode) the beam's ended hypotheses are rescored by adding lm_weight * ln P_LM(words)
+to that score (asr.lm).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,6 +64,8 @@ class SearchOptions:
     pre_beam_ratio: float = 1.5  # CTC scores the int(ratio * beam_size) best tokens of the decoder + eos
     nbest: int = 1  # hypotheses returned per utterance, at most beam_size
     lexicon: str = ""  # a word list (asr.lexicon): beam search writes only its words; "" = any text
+    lm: str = ""  # an ARPA word n-gram model (asr.lm) rescoring the beam's ended hypotheses; "" = none
+    lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words) (applied by Recognizer.decode)
 
     def __post_init__(self) -> None:
         checks = (
@@ -73,6 +78,9 @@ class SearchOptions:
             ("nbest", 1 <= self.nbest <= self.beam_size, f"must be in [1, beam_size = {self.beam_size}]"),
             ("lexicon", not self.lexicon or self.mode == "attention",
              f"applies to beam search (mode attention), not to mode {self.mode}"),
+            ("lm", not self.lm or self.mode == "attention",
+             f"applies to beam search (mode attention), not to mode {self.mode}"),
+            ("lm_weight", math.isfinite(self.lm_weight) and self.lm_weight >= 0, "must be finite and >= 0"),
         )
         for name, ok, reason in checks:
             if not ok:

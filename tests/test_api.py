@@ -44,6 +44,17 @@ def speechlike(seconds: float, seed: int = 0, *, pauses: bool = True) -> np.ndar
     return out
 
 
+def write_decode_files(folder: Path, text: str = "AB HE") -> Path:
+    """Four speech-like WAVs u0..u3 in folder, test.jsonl listing them (each with `text`), and a
+    model file (write_model_file, eos_bias 0); returns the model file."""
+    lines = []
+    for i, seconds in enumerate([1.2, 2.5, 0.7, 1.9]):
+        sf.write(folder / f"u{i}.wav", speechlike(seconds, i), 16000)
+        lines.append({"id": f"utt{i}", "audio": f"u{i}.wav", "duration": seconds, "text": text})
+    (folder / "test.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return write_model_file(folder / "model.pt", eos_bias=0.0)
+
+
 def write_model_file(path: Path, *, seed: int = 0, eos_bias: float = 3.0, blank_bias: float = 0.0) -> Path:
     """A model file of a random tiny model (float32, character tokens A-H and space), CMVN from
     speech-like audio; `eos_bias` makes its decoder end hypotheses early, `blank_bias` its CTC

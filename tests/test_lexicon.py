@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from test_api import TOKENS, speechlike, write_model_file
+from test_api import TOKENS, write_decode_files
 from test_beam_search import JOINT, LENGTHS, attention_log_prob, ctc_log_prob, random_memory, tiny_model
 
 import asr.lexicon as lexicon_module
@@ -203,16 +203,10 @@ def test_lexicon_options_are_validated():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    import soundfile as sf
-
     folder = tmp_path_factory.mktemp("lexicon")
-    lines = []
-    for i, seconds in enumerate([1.2, 2.5, 0.7, 1.9]):
-        sf.write(folder / f"u{i}.wav", speechlike(seconds, i), 16000)
-        lines.append({"id": f"utt{i}", "audio": f"u{i}.wav", "duration": seconds, "text": "AB HE"})
-    (folder / "test.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    model = write_decode_files(folder)
     (folder / "words.txt").write_text("\n".join(SEARCH_WORDS) + "\n")
-    return write_model_file(folder / "model.pt", eos_bias=0.0), folder
+    return model, folder
 
 
 def test_decode_with_a_lexicon(files, tmp_path):

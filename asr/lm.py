@@ -1,0 +1,266 @@
+"""Word n-gram language models: trained on transcripts (interpolated Kneser-Ney), read and written
+as ARPA files, and used to rescore the beam search's n-best lists.
+
+An NgramLM holds, per order k, the log10 probability of every k-gram it knows and the log10
+backoff weight of every (k)-gram that is a context, as an ARPA file does; the probability of a
+word after a context it was not seen in is the backoff weight of that context times its
+probability after the context's shorter suffix (log10: a sum). Any ARPA file of words reads the
+same way (KenLM's `lmplz`, SRILM's `ngram-count`): its words are normalized as transcripts are
+(asr.metrics.normalize_text), so a lower-case LM scores upper-case hypotheses. A word the LM
+does not know scores as `<unk>`, or, in a file without `<unk>`, as its rarest word.
+
+`train_ngram` estimates interpolated Kneser-Ney (Chen & Goodman 1998, one discount per order from
+the counts of counts, D = n1 / (n1 + 2 n2)), written in backoff form, which is exact for an
+interpolated model: a seen n-gram stores its interpolated probability and a context's backoff
+weight is its interpolation weight. Lower orders count distinct left contexts, not occurrences,
+except for n-grams that begin with <s> (nothing precedes <s>), as KenLM does.
+
+Rescoring (Recognizer.decode, when decoding.lm is set): beam search returns its whole beam of
+ended hypotheses; each one's score becomes search score + lm_weight * ln P_LM(words, </s>); the
+best `nbest` of them, by that score, are the result.
+
+    lm = train_ngram([t.split() for t in texts], order=3)
+    lm.save("data/lm.arpa")
+    lm = NgramLM.load("data/lm.arpa")
+    lm.score("I WILL GO".split())   # natural log of P(I WILL GO </s> | <s>)
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from asr.fileio import atomic_open
+from asr.metrics import normalize_text
+
+__all__ = ["BOS", "EOS", "UNK", "LMError", "NgramLM", "rescore", "train_ngram"]
+
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+NO_PROB = -99.0  # log10 "probability" of <s> (never predicted), as ARPA files write it
+_LN10 = math.log(10.0)
+_COUNT_LINE = re.compile(r"ngram\s+(\d+)\s*=\s*(\d+)$")
+_SECTION = re.compile(r"\\(\d+)-grams:$")
+
+
+class LMError(ValueError):
+    """A language model file that cannot be read or used, or text an LM cannot be trained on; the
+    message names the file (and line)."""
+
+
+class NgramLM:
+    """A backoff word n-gram model (see the module docstring)."""
+
+    def __init__(self, probs: Sequence[dict[tuple[str, ...], float]],
+                 backoffs: dict[tuple[str, ...], float]) -> None:
+        """probs[k - 1]: {k-gram: log10 probability} for k = 1..order; backoffs: {context: log10
+        backoff weight} (a context missing has weight 1, log10 0). The unigrams must hold </s>."""
+        self.probs = [dict(p) for p in probs]
+        self.backoffs = dict(backoffs)
+        self.order = len(self.probs)
+        if self.order < 1 or (EOS,) not in self.probs[0]:
+            raise LMError("an n-gram model needs unigrams, </s> among them")
+        unigrams = {g: p for g, p in self.probs[0].items() if g != (BOS,)}
+        self._unk = unigrams.get((UNK,), min(unigrams.values()))
+        self._cache: dict[tuple[str, ...], float] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        """Words it knows (<s>, </s> and <unk> not counted)."""
+        return sum(1 for (w,) in self.probs[0] if w not in (BOS, EOS, UNK))
+
+    def log10_prob(self, context: Sequence[str], word: str) -> float:
+        """log10 P(word | the last order-1 words of context), by backing off."""
+        if (word,) not in self.probs[0]:
+            word = UNK if (UNK,) in self.probs[0] else word
+        context = tuple(context[len(context) - self.order + 1:]) if self.order > 1 else ()
+        key = context + (word,)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        weight = 0.0
+        for start in range(len(context) + 1):
+            gram = context[start:] + (word,)
+            p = self.probs[len(gram) - 1].get(gram)
+            if p is not None:
+                value = weight + p
+                break
+            weight += self.backoffs.get(context[start:], 0.0)
+        else:
+            value = weight + self._unk  # a word missing from the unigrams (no <unk> in the file)
+        if len(self._cache) < 1_000_000:
+            self._cache[key] = value
+        return value
+
+    def score(self, words: Sequence[str]) -> float:
+        """Natural log of P(words, then </s> | <s>): the sentence's log-probability."""
+        history = [BOS]
+        total = 0.0
+        for word in [*words, EOS]:
+            total += self.log10_prob(history, word)
+            history.append(word)
+        return total * _LN10
+
+    def perplexity(self, sentences: Iterable[Sequence[str]]) -> float:
+        """exp(-mean log-probability per predicted token, </s> included)."""
+        total, count = 0.0, 0
+        for words in sentences:
+            total += self.score(words)
+            count += len(words) + 1
+        return math.exp(-total / max(count, 1))
+
+    # -- files ------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the model as an ARPA file (atomically)."""
+        with atomic_open(path) as f:
+            f.write("\\data\\\n")
+            f.writelines(f"ngram {k + 1}={len(p)}\n" for k, p in enumerate(self.probs))
+            for k, table in enumerate(self.probs):
+                f.write(f"\n\\{k + 1}-grams:\n")
+                for gram in sorted(table):
+                    bow = self.backoffs.get(gram) if k + 1 < self.order else None
+                    tail = f"\t{bow + 0.0:.6f}" if bow is not None else ""  # + 0.0: no "-0.0"
+                    f.write(f"{table[gram]:.6f}\t{' '.join(gram)}{tail}\n")
+            f.write("\n\\end\\\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> NgramLM:
+        """Read an ARPA file; LMError naming the file and line when it is not one."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls._read_arpa(f, os.fspath(path))
+        except (OSError, UnicodeDecodeError) as e:
+            raise LMError(f"{path}: cannot read the language model ({e.__class__.__name__}: {e})") from None
+
+    @classmethod
+    def _read_arpa(cls, lines: Iterable[str], source: str) -> NgramLM:
+        declared: dict[int, int] = {}
+        probs: list[dict[tuple[str, ...], float]] = []
+        backoffs: dict[tuple[str, ...], float] = {}
+        section = "preamble"  # then "data", k (reading k-grams), "end"
+        for number, line in enumerate(lines, 1):
+            line = line.strip()
+            where = f"{source}:{number}"
+            if not line or section == "end":
+                continue
+            if line == "\\data\\":
+                section = "data"
+            elif line == "\\end\\":
+                section = "end"
+            elif section == "preamble":
+                continue  # text before \data\ is allowed (comments)
+            elif (m := _SECTION.match(line)) is not None:
+                section = int(m.group(1))
+                if section != len(probs) + 1 or section not in declared:
+                    raise LMError(f"{where}: \\{section}-grams: out of order or not declared in \\data\\")
+                probs.append({})
+            elif section == "data":
+                m = _COUNT_LINE.match(line)
+                if m is None:
+                    raise LMError(f"{where}: expected 'ngram N=COUNT' in \\data\\, got {line[:60]!r}")
+                declared[int(m.group(1))] = int(m.group(2))
+            else:
+                k = int(section)
+                fields = line.split()
+                if len(fields) not in (k + 1, k + 2):
+                    raise LMError(f"{where}: a {k}-gram line needs a log10 probability, {k} words and "
+                                  f"an optional backoff weight, got {line[:60]!r}")
+                try:
+                    numbers = [float(fields[0])] + ([float(fields[-1])] if len(fields) == k + 2 else [])
+                except ValueError:
+                    raise LMError(f"{where}: not a number in {line[:60]!r}") from None
+                if not all(math.isfinite(x) for x in numbers):
+                    raise LMError(f"{where}: not a finite number in {line[:60]!r}")
+                gram = tuple(_normalize_word(w) for w in fields[1:k + 1])
+                if gram not in probs[-1]:  # words that normalize alike: the first line counts
+                    probs[-1][gram] = numbers[0]
+                    if len(numbers) == 2:
+                        backoffs[gram] = numbers[1]
+        if section != "end":
+            raise LMError(f"{source}: not an ARPA file (no \\data\\ ... \\end\\)")
+        for k, table in enumerate(probs, 1):
+            if len(table) > declared[k]:
+                raise LMError(f"{source}: \\data\\ declares {declared[k]} {k}-grams, the file has more")
+        if len(probs) != len(declared):
+            raise LMError(f"{source}: \\data\\ declares orders up to {max(declared, default=0)}, "
+                          f"the file has {len(probs)}")
+        try:
+            return cls(probs, backoffs)
+        except LMError as e:
+            raise LMError(f"{source}: {e}") from None
+
+
+def _normalize_word(word: str) -> str:
+    """An ARPA word as transcripts are normalized; the markers (<s>, </s>, <unk>) and words that do
+    not normalize to one word stay as they are."""
+    if word.startswith("<") and word.endswith(">"):
+        return word.lower() if word.lower() in (BOS, EOS, UNK) else word
+    normalized = normalize_text(word)
+    return normalized if normalized and " " not in normalized else word
+
+
+def train_ngram(sentences: Iterable[Sequence[str]], order: int = 3) -> NgramLM:
+    """Interpolated Kneser-Ney of `order` over `sentences` (each a sequence of normalized words;
+    see the module docstring). LMError when there is no word to learn from."""
+    if order < 1:
+        raise LMError(f"order {order}: must be at least 1")
+    counts: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order)]  # [k - 1]: raw k-gram counts
+    for words in sentences:
+        seq = (BOS, *words, EOS)
+        for i in range(1, len(seq)):
+            for k in range(1, min(order, i + 1) + 1):
+                counts[k - 1][seq[i - k + 1:i + 1]] += 1
+    if all(w == EOS for (w,) in counts[0]):
+        raise LMError("no words to train a language model on")
+    # adjusted counts: raw for the highest order and for n-grams that begin with <s>; otherwise the
+    # number of distinct words seen before the n-gram (each (k+1)-gram is one of them)
+    adjusted: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order)]
+    adjusted[order - 1] = counts[order - 1]
+    for k in range(1, order):
+        adjusted[k - 1].update({g: c for g, c in counts[k - 1].items() if g[0] == BOS})
+        adjusted[k - 1].update(gram[1:] for gram in counts[k])  # gram[1] is never <s>
+    discounts = [_discount(a) for a in adjusted]
+    totals: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order)]  # per context
+    followers: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order)]  # distinct next words
+    for k in range(order):
+        for gram, a in adjusted[k].items():
+            totals[k][gram[:-1]] += a
+            followers[k][gram[:-1]] += 1
+    vocab = [w for (w,) in adjusted[0] if w != BOS]
+    vocab += [UNK] if UNK not in vocab else []
+    # linear probabilities, lower orders first: each n-gram's suffix is a seen lower-order n-gram
+    linear = {(w,): max(adjusted[0][(w,)] - discounts[0], 0.0) / totals[0][()] for w in vocab}
+    floor = discounts[0] * followers[0][()] / totals[0][()] / len(vocab)  # the uniform distribution's share
+    linear = {g: p + floor for g, p in linear.items()}
+    backoffs: dict[tuple[str, ...], float] = {}
+    for k in range(2, order + 1):
+        d = discounts[k - 1]
+        for context, total in totals[k - 1].items():
+            backoffs[context] = math.log10(d * followers[k - 1][context] / total)
+        for gram, a in adjusted[k - 1].items():
+            total = totals[k - 1][gram[:-1]]
+            linear[gram] = (a - d) / total + d * followers[k - 1][gram[:-1]] / total * linear[gram[1:]]
+    probs: list[dict[tuple[str, ...], float]] = [{} for _ in range(order)]
+    for gram, p in linear.items():
+        probs[len(gram) - 1][gram] = math.log10(p)
+    probs[0][(BOS,)] = NO_PROB
+    return NgramLM(probs, backoffs)
+
+
+def _discount(adjusted: Counter[tuple[str, ...]]) -> float:
+    """D = n1 / (n1 + 2 n2) from the counts of counts, kept within [0.05, 0.95]."""
+    n1 = sum(1 for a in adjusted.values() if a == 1)
+    n2 = sum(1 for a in adjusted.values() if a == 2)
+    return min(max(n1 / (n1 + 2 * n2), 0.05), 0.95) if n1 + n2 else 0.5
+
+
+def rescore(nbest: Sequence[tuple[Sequence[str], float]], lm: NgramLM, weight: float,
+            keep: int) -> list[tuple[int, float]]:
+    """The `keep` best of an n-best list of (words, search score) after adding weight * the LM's
+    natural-log sentence probability: (index into nbest, new score), best first. Ties keep the
+    search's order."""
+    scored = [(score + weight * lm.score(words), i) for i, (words, score) in enumerate(nbest)]
+    scored.sort(key=lambda item: (-item[0], item[1]))
+    return [(i, score) for score, i in scored[:keep]]

@@ -1,0 +1,259 @@
+"""Word n-gram language models: Kneser-Ney estimates that are distributions and match the
+interpolated formula computed from the counts directly, ARPA files that read back to the same
+scores (and hand-written ones that back off as the format says), clear errors for bad files, and
+n-best rescoring that picks exactly the best search score + weight * LM score of the beam."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from test_api import write_decode_files
+
+from asr.api import load_model
+from asr.decode import DecodingConfig, decode_manifest
+from asr.lm import BOS, EOS, UNK, LMError, NgramLM, rescore, train_ngram
+from asr.metrics import normalize_text
+from asr.search import SearchOptions
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+CORPUS = [s.split() for s in [
+    "WE WILL GO HOME", "WE WILL COOK", "THEY WILL GO OUT", "WE WERE HOME", "I WILL COOK AT HOME",
+    "GO HOME", "WE", "THEY WERE OUT AT HOME",
+]]
+CONTEXTS = [(), (BOS,), ("WE",), (BOS, "WE"), ("WE", "WILL"), ("WILL", "GO"), ("NEVER", "SEEN"), ("HOME",),
+            (BOS, "GO", "HOME"), ("WILL", "COOK", "AT")]
+
+
+def vocabulary(lm: NgramLM) -> list[str]:
+    return [w for (w,) in lm.probs[0] if w != BOS]
+
+
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+def test_every_context_gives_a_distribution(order):
+    lm = train_ngram(CORPUS, order)
+    words = vocabulary(lm)
+    assert set(words) == {w for s in CORPUS for w in s} | {EOS, UNK}
+    for context in CONTEXTS:
+        assert sum(10 ** lm.log10_prob(context, w) for w in words) == pytest.approx(1.0, abs=1e-9), context
+
+
+def reference_kneser_ney(sentences, order):
+    """Interpolated Kneser-Ney straight from its definition, recursively (no backoff form)."""
+    grams = Counter()
+    for s in sentences:
+        seq = (BOS, *s, EOS)
+        for i in range(1, len(seq)):
+            for k in range(1, min(order, i + 1) + 1):
+                grams[seq[i - k + 1:i + 1]] += 1
+
+    def count(gram):  # raw at the top order and after <s>; else distinct left words
+        if len(gram) == order or gram[0] == BOS:
+            return grams[gram]
+        return sum(1 for g in grams if len(g) == len(gram) + 1 and g[1:] == gram)
+
+    by_order = [{g: count(g) for g in grams if len(g) == k} for k in range(1, order + 1)]
+
+    def discount(k):
+        n1 = sum(1 for c in by_order[k - 1].values() if c == 1)
+        n2 = sum(1 for c in by_order[k - 1].values() if c == 2)
+        return min(max(n1 / (n1 + 2 * n2), 0.05), 0.95)
+
+    vocab = {g[0] for g in by_order[0]} | {UNK}
+
+    def prob(context, word):
+        k = len(context) + 1
+        table = {g: c for g, c in by_order[k - 1].items() if g[:-1] == context}
+        if k == 1:
+            total, d = sum(table.values()), discount(1)
+            return max(table.get((word,), 0) - d, 0) / total + d * len(table) / total / len(vocab)
+        lower = prob(context[1:], word)
+        if not table:
+            return lower
+        total, d = sum(table.values()), discount(k)
+        return max(table.get(context + (word,), 0) - d, 0) / total + d * len(table) / total * lower
+
+    return prob, vocab
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_the_backoff_form_is_the_interpolated_model(order):
+    lm = train_ngram(CORPUS, order)
+    prob, vocab = reference_kneser_ney(CORPUS, order)
+    for context in CONTEXTS:
+        context = context[len(context) - order + 1:]
+        for word in vocab:
+            assert 10 ** lm.log10_prob(context, word) == pytest.approx(prob(context, word), rel=1e-9), (context, word)
+
+
+def test_a_unigram_model_by_hand():
+    """Counts A 2, B 1, </s> 3: D = n1 / (n1 + 2 n2) = 1/3, total 6, 3 words seen, 4 in the vocabulary."""
+    lm = train_ngram([["A"], ["A"], ["B"]], order=1)
+    share = (1 / 3) * 3 / 6 / 4
+    assert 10 ** lm.log10_prob((), "A") == pytest.approx((2 - 1 / 3) / 6 + share)
+    assert 10 ** lm.log10_prob((), "ZEBRA") == pytest.approx(share)  # as <unk>
+    assert lm.score(["A"]) == pytest.approx(math.log((5 / 3) / 6 + share) + math.log((3 - 1 / 3) / 6 + share))
+
+
+def test_arpa_files_read_back_to_the_same_scores(tmp_path):
+    lm = train_ngram(CORPUS, 3)
+    lm.save(tmp_path / "lm.arpa")
+    text = (tmp_path / "lm.arpa").read_text()
+    assert text.startswith("\\data\\\nngram 1=") and text.rstrip().endswith("\\end\\")
+    again = NgramLM.load(tmp_path / "lm.arpa")
+    assert (again.order, again.vocab_size) == (3, lm.vocab_size)
+    for s in [*CORPUS, ["WE", "WILL", "SWIM"], [], ["HOME", "HOME", "HOME"]]:
+        assert again.score(s) == pytest.approx(lm.score(s), abs=1e-4)
+    assert lm.score(["WE", "WILL", "GO", "HOME"]) > lm.score(["WE", "WERE", "GO", "HOME"])
+
+
+HAND_WRITTEN = """made by hand, as lmplz writes them (lower case)
+
+\\data\\
+ngram 1=5
+ngram 2=2
+
+\\1-grams:
+-1.0\t<s>\t-0.5
+-0.5\t</s>
+-0.7\tthe\t-0.3
+-1.2\tcat
+-0.9\tdon't
+
+\\2-grams:
+-0.2\t<s> the
+-0.4\tthe cat
+
+\\end\\
+"""
+
+
+def test_a_hand_written_arpa_backs_off_as_the_format_says(tmp_path):
+    (tmp_path / "lm.arpa").write_text(HAND_WRITTEN)
+    lm = NgramLM.load(tmp_path / "lm.arpa")
+    ln10 = math.log(10)
+    assert lm.score(["THE", "CAT"]) == pytest.approx((-0.2 - 0.4 - 0.5) * ln10)  # seen bigrams, </s> unigram
+    assert lm.score(["CAT", "THE"]) == pytest.approx((-0.5 - 1.2 - 0.7 - 0.3 - 0.5) * ln10)  # backoffs
+    assert lm.score(["DON'T"]) == pytest.approx((-0.5 - 0.9 - 0.5) * ln10)  # words normalized
+    assert lm.score(["DOG"]) == pytest.approx((-0.5 - 1.2 - 0.5) * ln10)  # no <unk>: the rarest word
+
+
+@pytest.mark.parametrize("text, message", [
+    ("\\data\\\nngram 1=1\n\n\\1-grams:\n-0.5 </s>\n", "not an ARPA file"),
+    ("\\data\\\nngram 1=2\n\n\\1-grams:\n-0.5 </s>\nhalf a</s>\n\\end\\\n", "lm.arpa:6: not a number"),
+    ("\\data\\\nngram 1=1\n\n\\1-grams:\n-0.5 </s> a b c\n\\end\\\n", "lm.arpa:5: a 1-gram line needs"),
+    ("\\data\\\nngram 1=1\nngram two\n", "lm.arpa:3: expected 'ngram N=COUNT'"),
+    ("\\data\\\nngram 1=1\n\n\\2-grams:\n", "lm.arpa:4: \\\\2-grams: out of order"),
+    ("\\data\\\nngram 1=1\n\n\\1-grams:\n-0.5 </s>\n-1.0 a\n\\end\\\n", "declares 1 1-grams, the file has more"),
+    ("\\data\\\nngram 1=1\n\n\\1-grams:\n-1.0 a\n\\end\\\n", "lm.arpa: an n-gram model needs unigrams, </s>"),
+    ("\\data\\\nngram 1=1\n\n\\1-grams:\n-inf </s>\n\\end\\\n", "lm.arpa:5: not a finite number"),
+])
+def test_a_bad_arpa_file_is_named_with_its_line(tmp_path, text, message):
+    (tmp_path / "lm.arpa").write_text(text)
+    with pytest.raises(LMError, match=message):
+        NgramLM.load(tmp_path / "lm.arpa")
+
+
+def test_bad_training_input_and_a_missing_file():
+    with pytest.raises(LMError, match="no words"):
+        train_ngram([[], []])
+    with pytest.raises(LMError, match="order 0"):
+        train_ngram(CORPUS, 0)
+    with pytest.raises(LMError, match="nowhere.arpa: cannot read the language model"):
+        NgramLM.load("nowhere.arpa")
+
+
+def test_rescore_orders_by_the_sum_and_keeps_ties_in_search_order():
+    lm = train_ngram(CORPUS, 3)
+    nbest = [(["WE", "WERE", "COOK"], -1.0), (["WE", "WILL", "COOK"], -1.5), (["WE", "WILL", "COOK"], -1.5)]
+    assert [i for i, _ in rescore(nbest, lm, 0.0, 3)] == [0, 1, 2]
+    best = rescore(nbest, lm, 1.0, 2)
+    assert [i for i, _ in best] == [1, 2]
+    assert best[0][1] == pytest.approx(-1.5 + lm.score(["WE", "WILL", "COOK"]))
+
+
+def test_lm_options_are_validated():
+    with pytest.raises(ValueError, match="decoding.lm = 'lm.arpa' applies to beam search"):
+        SearchOptions(mode="ctc_greedy", lm="lm.arpa")
+    with pytest.raises(ValueError, match="decoding.lm_weight = -0.1 must be finite and >= 0"):
+        SearchOptions(mode="attention", lm="lm.arpa", lm_weight=-0.1)
+
+
+# --- from the outside: asr lm / decode / transcribe -------------------------------------------
+
+WORDS = ["AB", "BAD", "CAFE", "HE", "EGG", "FADE", "A", "GH"]  # letters A-H, the test model's tokens
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm")
+    model = write_decode_files(folder)
+    train_ngram([["BAD", "CAFE"], ["HE", "AB"], ["FADE", "EGG", "A"], ["AB", "AB", "GH"]], 2).save(folder / "lm.arpa")
+    return model, folder
+
+
+def test_rescored_decoding_picks_the_best_sum_of_the_beam(files):
+    model, folder = files
+    recognizer = load_model(model)
+    lm = NgramLM.load(folder / "lm.arpa")
+    feats = [recognizer.feats(wave(folder / f"u{i}.wav")) for i in range(4)]
+    beam = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=6)
+    plain = recognizer.decode(feats, beam)
+    changed = 0
+    for weight in (0.0, 0.5, 3.0):
+        rescored = recognizer.decode(feats, SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=2,
+                                                          lm=str(folder / "lm.arpa"), lm_weight=weight))
+        for nbest, found in zip(plain, rescored):
+            totals = sorted(((h.score + weight * lm.score(normalize_text(recognizer.text(h.tokens)).split()), -i)
+                             for i, h in enumerate(nbest)), reverse=True)[:2]
+            assert [h.tokens for h in found] == [nbest[-i].tokens for _, i in totals]
+            assert [h.score for h in found] == pytest.approx([t for t, _ in totals], abs=1e-6)
+            changed += weight > 0 and found[0].tokens != nbest[0].tokens
+    assert changed >= 1  # the LM moved some choice
+
+
+def wave(path):
+    import soundfile as sf
+    import torch
+
+    return torch.from_numpy(sf.read(path, dtype="float32")[0])
+
+
+def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
+    model, folder = files
+    (tmp_path / "more.txt").write_text("cafe bad\n\nHe ab!\n")
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "lm", "--manifest", str(folder / "test.jsonl"),
+                           "--text", str(tmp_path / "more.txt"), "--order", "2", "--out", str(tmp_path / "lm.arpa")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "2-gram LM" in done.stdout and "from 6 sentences" in done.stdout
+    lm = NgramLM.load(tmp_path / "lm.arpa")
+    assert lm.vocab_size == 4 and lm.score(["AB", "HE"]) > lm.score(["HE", "HE"])
+    config = DecodingConfig(beam_size=4, batch_size=2, num_workers=0, device="cpu", lm=str(tmp_path / "lm.arpa"),
+                            lm_weight=0.5)
+    wer = decode_manifest(model, folder / "test.jsonl", tmp_path / "dec", config)
+    assert wer["decoding"]["lm"] == str(tmp_path / "lm.arpa") and wer["decoding"]["lm_weight"] == 0.5
+    header = json.loads((tmp_path / "dec" / "decode.jsonl").read_text().splitlines()[0])
+    assert header["header"]["lm"]["size"] == (tmp_path / "lm.arpa").stat().st_size
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", str(model), "--beam-size", "4",
+                           "--lm", str(tmp_path / "lm.arpa"), "--lm-weight", "0.5", str(folder / "u1.wav")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    api = load_model(model).transcribe([folder / "u1.wav"], beam_size=4, lm=tmp_path / "lm.arpa", lm_weight=0.5)
+    assert done.stdout.strip() == api[0].text
+
+
+def test_a_bad_lm_is_one_line_naming_the_file(files, tmp_path):
+    model, folder = files
+    for args in (["decode", "--model", str(model), "--manifest", str(folder / "test.jsonl"), "--out-dir",
+                  str(tmp_path / "d"), f"decoding.lm={tmp_path / 'nowhere.arpa'}"],
+                 ["transcribe", "--model", str(model), "--lm", str(tmp_path / "nowhere.arpa"), str(folder / "u0.wav")],
+                 ["lm", "--out", str(tmp_path / "x.arpa")]):
+        done = subprocess.run([sys.executable, "-m", "asr.cli", *args], capture_output=True, text=True)
+        assert done.returncode != 0
+        last = done.stderr.strip().splitlines()[-1]
+        assert "nowhere.arpa: cannot read the language model" in last or "give --manifest" in last, done.stderr
