@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from asr.lm import NgramLM
+
 pytest.importorskip("espeakng_loader")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +36,10 @@ def test_stages_are_skipped_when_done_and_rerun_from_stage(tmp_path):
     texts = [json.loads(line)["text"] for line in (data / "train.jsonl").read_text().splitlines()]
     train_words = {w for text in texts for w in text.split()}
     assert (data / "words.txt").read_text().split() == sorted(train_words)
+    # the word trigram LM of those transcripts, which rescores stage 5's beam
+    lm = NgramLM.load(data / "lm.arpa")
+    assert lm.order == 3 and lm.vocab_size == len(train_words)
+    assert lm.score(texts[0].split()) > lm.score(texts[0].split()[::-1] + ["ZZZ"])
     # CMVN with the config's mel bins (conf/synth.yaml: 40), and the training features dumped beside it
     assert len(json.loads((data / "cmvn.json").read_text())["sum"]) == 40
     index = json.loads((data / "feats_train" / "index.json").read_text())

@@ -7,10 +7,10 @@
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
-#   0 synthesize train/dev/test    1 tokenizer (the config's) and the training words
+#   0 synthesize train/dev/test    1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
 #   4 average checkpoints          5 decode the test set: with the training words as the lexicon
-#                                    (the result) and without one
+#                                    and the LM rescoring (the result), the lexicon alone, neither
 #   6 results table and a transcription of one test file
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
@@ -83,9 +83,14 @@ print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels)
 [ -n "${kind:-}" ] || { echo "run.sh: cannot read the tokenizer section of $config" >&2; exit 1; }
 lang=$data/lang_$kind; size_args=()
 [ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
-run_stage 1 "tokenizer ($kind${size_args:+ $vocab}) and the training words" \
+# the tokenizer, the training words (the lexicon of stage 5) and a word trigram LM of the training
+# transcripts (asr.lm: it rescores the beam in stage 5)
+words_and_lm() {
   asr tokenizer --manifest "$data/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$lang" \
-  --words "$data/words.txt"
+    --words "$data/words.txt"
+  asr lm --manifest "$data/train.jsonl" --order 3 --out "$data/lm.arpa"
+}
+run_stage 1 "tokenizer ($kind${size_args:+ $vocab}), the training words and a word LM" words_and_lm
 # CMVN statistics, and the training features dumped in the same pass (float16, no dither): read by
 # training instead of decoding FLAC and computing fbank every epoch, which took a quarter of a step
 run_stage 2 "CMVN statistics and training features ($n_mels mel bins)" \
@@ -106,25 +111,38 @@ run_stage 3 "train $(basename "$config")" train
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 # The test sentences use the training vocabulary (new sentences, not new words), so the recipe's
 # result decodes with the training words as a closed lexicon (asr.lexicon: every hypothesis is a
-# sequence of those words); decode_test_open is the same search without it.
+# sequence of those words) and rescores the beam with the word LM of the training transcripts
+# (conf/decode/synth.yaml: lm_weight); decode_test_nolm is the lexicon alone, decode_test_open
+# the search with neither.
 decode() {
-  asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test" \
-    --config "$root/conf/decode/synth.yaml" decoding.lexicon="$data/words.txt"
-  asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/decode_test_open" \
-    --config "$root/conf/decode/synth.yaml"
+  local name extra
+  for name in decode_test decode_test_nolm decode_test_open; do
+    case $name in
+      decode_test) extra=(decoding.lexicon="$data/words.txt" decoding.lm="$data/lm.arpa");;
+      decode_test_nolm) extra=(decoding.lexicon="$data/words.txt");;
+      *) extra=();;
+    esac
+    asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/$name" \
+      --config "$root/conf/decode/synth.yaml" "${extra[@]}"
+  done
 }
-run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml; with and without the lexicon)" decode
+run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml; with the lexicon and the LM, the lexicon alone, neither)" decode
 results() {
-  python - "$exp/decode_test/wer.json" "$exp/decode_test_open/wer.json" <<'PY'
+  python - "$exp"/decode_test{,_nolm,_open}/wer.json <<'PY'
 import json, sys
-for path, what in zip(sys.argv[1:], ["training words as the lexicon", "open vocabulary"]):
+whats = ["training words as the lexicon, word LM", "training words as the lexicon", "open vocabulary"]
+for path, what in zip(sys.argv[1:], whats):
     r = json.load(open(path))
     print(f"| test set (unseen sentences and accents), {what} | utterances {r['utterances']} "
           f"| words {r['words']} | WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
 PY
   first=$(head -1 "$data/test.jsonl" | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
   echo "transcribing ${first%% |*} (reference: ${first#*| })"
-  asr transcribe --model "$exp/model_avg.pt" --lexicon "$data/words.txt" "$data/${first%% |*}"
+  lm_weight=$(python -c 'import sys
+from asr.decode import load_decoding_config
+print(load_decoding_config(sys.argv[1]).lm_weight)' "$root/conf/decode/synth.yaml")
+  asr transcribe --model "$exp/model_avg.pt" --lexicon "$data/words.txt" --lm "$data/lm.arpa" \
+    --lm-weight "$lm_weight" "$data/${first%% |*}"
 }
 run_stage 6 "results" results
 say "finished: stages $stage-$((stop_stage < 6 ? stop_stage : 6)) in $SECONDS s"
