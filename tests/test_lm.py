@@ -4,6 +4,7 @@ scores (and hand-written ones that back off as the format says), clear errors fo
 n-best rescoring that picks exactly the best search score + weight * LM score of the beam."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -99,12 +100,14 @@ def test_a_unigram_model_by_hand():
     assert lm.score(["A"]) == pytest.approx(math.log((5 / 3) / 6 + share) + math.log((3 - 1 / 3) / 6 + share))
 
 
-def test_arpa_files_read_back_to_the_same_scores(tmp_path):
+@pytest.mark.parametrize("name", ["lm.arpa", "lm.arpa.gz"])
+def test_arpa_files_read_back_to_the_same_scores(tmp_path, name):
     lm = train_ngram(CORPUS, 3)
-    lm.save(tmp_path / "lm.arpa")
-    text = (tmp_path / "lm.arpa").read_text()
+    lm.save(tmp_path / name)
+    raw = (tmp_path / name).read_bytes()
+    text = (gzip.decompress(raw) if name.endswith(".gz") else raw).decode()
     assert text.startswith("\\data\\\nngram 1=") and text.rstrip().endswith("\\end\\")
-    again = NgramLM.load(tmp_path / "lm.arpa")
+    again = NgramLM.load(tmp_path / name)
     assert (again.order, again.vocab_size) == (3, lm.vocab_size)
     for s in [*CORPUS, ["WE", "WILL", "SWIM"], [], ["HOME", "HOME", "HOME"]]:
         assert again.score(s) == pytest.approx(lm.score(s), abs=1e-4)
@@ -156,6 +159,17 @@ def test_a_bad_arpa_file_is_named_with_its_line(tmp_path, text, message):
     (tmp_path / "lm.arpa").write_text(text)
     with pytest.raises(LMError, match=message):
         NgramLM.load(tmp_path / "lm.arpa")
+
+
+def test_a_cut_gzip_file_is_named(tmp_path):
+    train_ngram(CORPUS, 2).save(tmp_path / "lm.arpa.gz")
+    raw = (tmp_path / "lm.arpa.gz").read_bytes()
+    (tmp_path / "cut.arpa.gz").write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(LMError, match="cut.arpa.gz: cannot read the language model"):
+        NgramLM.load(tmp_path / "cut.arpa.gz")
+    (tmp_path / "plain.arpa.gz").write_bytes(b"not gzip at all\n")
+    with pytest.raises(LMError, match="plain.arpa.gz: cannot read the language model"):
+        NgramLM.load(tmp_path / "plain.arpa.gz")
 
 
 def test_bad_training_input_and_a_missing_file():
