@@ -149,8 +149,8 @@ class Recognizer:
         self.model = model.to(self.device).eval()
         self.tokenizer, self.features, self.cmvn = tokenizer, features, cmvn.to(self.device)
         self.options = options or SearchOptions(mode="attention")
-        self._lexicons: dict[str, tuple[tuple[int, int] | None, Lexicon]] = {}  # path: (size, mtime), compiled
-        self._lms: dict[str, tuple[tuple[int, int] | None, NgramLM]] = {}  # path: (size, mtime), model
+        self._lexicons: dict[str, tuple[tuple[int, ...] | None, Lexicon]] = {}  # path: (file stamp, compiled)
+        self._lms: dict[str, tuple[tuple[int, ...] | None, NgramLM]] = {}  # path: (file stamp, model)
 
     def transcribe(
         self,
@@ -243,14 +243,15 @@ class Recognizer:
         return self.tokenizer.decode(list(tokens))
 
 
-def _cached(cache: dict[str, tuple[tuple[int, int] | None, Any]], path: str | os.PathLike,
+def _cached(cache: dict[str, tuple[tuple[int, ...] | None, Any]], path: str | os.PathLike,
             load: Callable[[str], Any]) -> Any:
-    """cache[path]'s object, loaded again when the file's size or modification time has changed
-    (or it cannot be stat'ed: `load` then says why, naming the file)."""
+    """cache[path]'s object, loaded again when the file's size, modification time or inode has
+    changed (a file replaced by a rename is a new inode), or when it cannot be stat'ed (`load`
+    then says why, naming the file)."""
     key = os.fspath(path)
     try:
         stat = os.stat(key)
-        stamp: tuple[int, int] | None = (stat.st_size, stat.st_mtime_ns)
+        stamp: tuple[int, ...] | None = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
     except OSError:
         stamp = None
     cached = cache.get(key)

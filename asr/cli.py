@@ -78,10 +78,11 @@ def cmd_lm(args: argparse.Namespace) -> int:
     texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
     for path in args.text:
         texts += [normalize_text(line) for _, line in numbered_lines(path)]
-    lm = train_ngram([t.split() for t in texts if t], order=args.order)
+    sentences = [t.split() for t in texts if t]
+    lm = train_ngram(sentences, order=args.order)
     lm.save(args.out)
     print(f"{args.out}: {args.order}-gram LM (interpolated Kneser-Ney) of {lm.vocab_size} words, "
-          f"{' / '.join(str(len(p)) for p in lm.probs)} n-grams, from {len(texts)} sentences "
+          f"{' / '.join(str(len(p)) for p in lm.probs)} n-grams, from {len(sentences)} sentences "
           f"(for 'asr decode decoding.lm={args.out}')")
     return 0
 
@@ -150,6 +151,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     raw = None
     if args.raw_rate:
         raw = RawFormat(sample_rate=args.raw_rate, subtype=args.raw_format, channels=args.raw_channels)
+    if args.lm_weight is not None and not args.lm:
+        raise ValueError("--lm-weight needs --lm LM.arpa")
     recognizer = load_model(args.model, device=args.device or "auto")
     results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, lexicon=args.lexicon,
                                     lm=args.lm, lm_weight=args.lm_weight, raw=raw)

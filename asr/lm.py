@@ -1,16 +1,18 @@
 """Word n-gram language models: trained on transcripts (interpolated Kneser-Ney), read and written
 as ARPA files (gzip-compressed when the name ends in .gz), and used to rescore the beam search's
 n-best lists. Pure Python: on the development machine (`python tools/bench_lm.py`, 2026-12-01) a
-trigram of 2.99M n-grams trained from 3M words in 16.5 s (1.3 GB at the peak), was read back in
-8.6 s into ~670 MB, and scored ~37,000 sentences a second: fine for LMs of a few million n-grams.
+trigram of 2.99M n-grams trained from 3M words in ~17 s (1.3 GB at the peak), was read back in
+8.5 s into ~670 MB, and scored ~35,000 sentences a second: fine for LMs of a few million n-grams.
 
 An NgramLM holds, per order k, the log10 probability of every k-gram it knows and the log10
 backoff weight of every (k)-gram that is a context, as an ARPA file does; the probability of a
 word after a context it was not seen in is the backoff weight of that context times its
 probability after the context's shorter suffix (log10: a sum). Any ARPA file of words reads the
 same way (KenLM's `lmplz`, SRILM's `ngram-count`): its words are normalized as transcripts are
-(asr.metrics.normalize_text), so a lower-case LM scores upper-case hypotheses. A word the LM
-does not know scores as `<unk>`, or, in a file without `<unk>`, as its rarest word.
+(asr.metrics.normalize_text), so a lower-case LM scores upper-case hypotheses (n-grams that become
+one, "the" and "The", add their probabilities; a word that normalizes to several, "e-mail", stays
+as it is and never matches). A word the LM does not know, in the context too, reads as `<unk>`,
+or, in a file without `<unk>`, scores as its rarest word.
 
 `train_ngram` estimates interpolated Kneser-Ney (Chen & Goodman 1998, one discount per order from
 the counts of counts, D = n1 / (n1 + 2 n2)), written in backoff form, which is exact for an
@@ -70,6 +72,7 @@ class NgramLM:
             raise LMError("an n-gram model needs unigrams, </s> among them")
         unigrams = {g: p for g, p in self.probs[0].items() if g != (BOS,)}
         self._unk = unigrams.get((UNK,), min(unigrams.values()))
+        self._has_unk = (UNK,) in unigrams
         self._cache: dict[tuple[str, ...], float] = {}
 
     @property
@@ -78,10 +81,16 @@ class NgramLM:
         return sum(1 for (w,) in self.probs[0] if w not in (BOS, EOS, UNK))
 
     def log10_prob(self, context: Sequence[str], word: str) -> float:
-        """log10 P(word | the last order-1 words of context), by backing off."""
-        if (word,) not in self.probs[0]:
-            word = UNK if (UNK,) in self.probs[0] else word
-        context = tuple(context[len(context) - self.order + 1:]) if self.order > 1 else ()
+        """log10 P(word | the last order-1 words of context), by backing off; unknown words, the
+        context's included, read as <unk> when the model has it (as KenLM and SRILM read them)."""
+        context = context[len(context) - self.order + 1:] if self.order > 1 else ()
+        return self._log10(tuple(self._known(w) for w in context), self._known(word))
+
+    def _known(self, word: str) -> str:
+        return word if not self._has_unk or (word,) in self.probs[0] else UNK
+
+    def _log10(self, context: tuple[str, ...], word: str) -> float:
+        """log10_prob of words already mapped by _known, the context at most order-1 long."""
         key = context + (word,)
         cached = self._cache.get(key)
         if cached is not None:
@@ -102,11 +111,9 @@ class NgramLM:
 
     def score(self, words: Sequence[str]) -> float:
         """Natural log of P(words, then </s> | <s>): the sentence's log-probability."""
-        history = [BOS]
-        total = 0.0
-        for word in [*words, EOS]:
-            total += self.log10_prob(history, word)
-            history.append(word)
+        seq = (BOS, *(self._known(w) for w in words), EOS)
+        keep = self.order - 1
+        total = sum(self._log10(seq[max(i - keep, 0):i] if keep else (), seq[i]) for i in range(1, len(seq)))
         return total * _LN10
 
     def perplexity(self, sentences: Iterable[Sequence[str]]) -> float:
@@ -146,7 +153,7 @@ class NgramLM:
         LMError naming the file (and line) when it cannot be read or is not one."""
         try:
             opener = gzip.open if os.fspath(path).endswith(".gz") else open
-            with opener(path, "rt", encoding="utf-8") as f:
+            with opener(path, "rt", encoding="utf-8-sig") as f:
                 return cls._read_arpa(f, os.fspath(path))
         except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
             raise LMError(f"{path}: cannot read the language model ({e.__class__.__name__}: {e})") from None
@@ -165,7 +172,7 @@ class NgramLM:
                 continue
             if line == "\\data\\":
                 section = "data"
-            elif line == "\\end\\":
+            elif line == "\\end\\" and section != "preamble":
                 section = "end"
             elif section == "preamble":
                 continue  # text before \data\ is allowed (comments)
@@ -193,10 +200,12 @@ class NgramLM:
                     raise LMError(f"{where}: not a finite number in {line[:60]!r}")
                 gram = tuple(normalized.get(w) or normalized.setdefault(w, _normalize_word(w))
                              for w in fields[1:k + 1])
-                if gram not in probs[-1]:  # words that normalize alike: the first line counts
-                    probs[-1][gram] = numbers[0]
-                    if len(numbers) == 2:
-                        backoffs[gram] = numbers[1]
+                if gram in probs[-1]:  # words that normalize alike ("the", "The"): their probabilities add
+                    probs[-1][gram] = math.log10(10 ** probs[-1][gram] + 10 ** numbers[0])
+                    continue  # the first line's backoff weight stays
+                probs[-1][gram] = numbers[0]
+                if len(numbers) == 2:
+                    backoffs[gram] = numbers[1]
         if section != "end":
             raise LMError(f"{source}: not an ARPA file (no \\data\\ ... \\end\\)")
         for k, table in enumerate(probs, 1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -145,8 +146,44 @@ def test_a_hand_written_arpa_backs_off_as_the_format_says(tmp_path):
     assert lm.score(["DOG"]) == pytest.approx((-0.5 - 1.2 - 0.5) * ln10)  # no <unk>: the rarest word
 
 
+WITH_UNK = """\\data\\
+ngram 1=5
+ngram 2=2
+
+\\1-grams:
+-1.0\t<s>\t-0.5
+-0.5\t</s>
+-1.5\t<UNK>\t-0.2
+-0.7\ta\t-0.3
+-0.6\tThe
+
+\\2-grams:
+-0.1\t<unk> a
+-0.4\tthe a
+
+\\end\\
+"""
+
+
+def test_unknown_words_read_as_unk_in_the_context_too(tmp_path):
+    (tmp_path / "lm.arpa").write_text(WITH_UNK)
+    lm = NgramLM.load(tmp_path / "lm.arpa")
+    assert lm.log10_prob(["ZZZ"], "A") == pytest.approx(-0.1)  # the <unk> bigram, not A's unigram
+    assert lm.log10_prob(["A"], "ZZZ") == pytest.approx(-0.3 - 1.5)
+    assert lm.score(["ZZZ", "A"]) == pytest.approx((-0.5 - 1.5 - 0.1 - 0.3 - 0.5) * math.log(10))
+
+
+def test_spellings_that_normalize_alike_add_and_a_bom_is_allowed(tmp_path):
+    text = WITH_UNK.replace("-0.6\tThe\n", "-0.6\tThe\n-0.9\tthe\n").replace("ngram 1=5", "ngram 1=6")
+    (tmp_path / "lm.arpa").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    lm = NgramLM.load(tmp_path / "lm.arpa")
+    assert 10 ** lm.log10_prob([], "THE") == pytest.approx(10 ** -0.6 + 10 ** -0.9)
+    assert lm.log10_prob(["THE"], "A") == pytest.approx(-0.4)
+
+
 @pytest.mark.parametrize("text, message", [
     ("\\data\\\nngram 1=1\n\n\\1-grams:\n-0.5 </s>\n", "not an ARPA file"),
+    ("\\end\\\n\\data\\\nngram 1=1\n\n\\1-grams:\n-0.5 </s>\n", "not an ARPA file"),
     ("\\data\\\nngram 1=2\n\n\\1-grams:\n-0.5 </s>\nhalf a</s>\n\\end\\\n", "lm.arpa:6: not a number"),
     ("\\data\\\nngram 1=1\n\n\\1-grams:\n-0.5 </s> a b c\n\\end\\\n", "lm.arpa:5: a 1-gram line needs"),
     ("\\data\\\nngram 1=1\nngram two\n", "lm.arpa:3: expected 'ngram N=COUNT'"),
@@ -261,13 +298,30 @@ def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
     assert done.stdout.strip() == api[0].text
 
 
+def test_a_replaced_lm_file_is_read_again(files, tmp_path):
+    model, folder = files
+    recognizer, path = load_model(model), tmp_path / "lm.arpa"
+    (tmp_path / "a.arpa").write_text(HAND_WRITTEN)
+    (tmp_path / "b.arpa").write_text(HAND_WRITTEN.replace("-0.4\tthe cat", "-0.3\tthe cat"))  # same size
+    (tmp_path / "a.arpa").rename(path)
+    first = recognizer.language_model(path)
+    assert recognizer.language_model(path) is first  # read once per path
+    stamp = path.stat()
+    (tmp_path / "b.arpa").rename(path)  # as a save does: a new file renamed over the old one
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # a coarse clock: the same time
+    assert path.stat().st_size == stamp.st_size
+    assert recognizer.language_model(path).log10_prob(["THE"], "CAT") == pytest.approx(-0.3)
+
+
 def test_a_bad_lm_is_one_line_naming_the_file(files, tmp_path):
     model, folder = files
     for args in (["decode", "--model", str(model), "--manifest", str(folder / "test.jsonl"), "--out-dir",
                   str(tmp_path / "d"), f"decoding.lm={tmp_path / 'nowhere.arpa'}"],
                  ["transcribe", "--model", str(model), "--lm", str(tmp_path / "nowhere.arpa"), str(folder / "u0.wav")],
-                 ["lm", "--out", str(tmp_path / "x.arpa")]):
+                 ["lm", "--out", str(tmp_path / "x.arpa")],
+                 ["transcribe", "--model", str(model), "--lm-weight", "0.5", str(folder / "u0.wav")]):
         done = subprocess.run([sys.executable, "-m", "asr.cli", *args], capture_output=True, text=True)
         assert done.returncode != 0
         last = done.stderr.strip().splitlines()[-1]
-        assert "nowhere.arpa: cannot read the language model" in last or "give --manifest" in last, done.stderr
+        assert any(m in last for m in ("nowhere.arpa: cannot read the language model", "give --manifest",
+                                       "--lm-weight needs --lm")), done.stderr

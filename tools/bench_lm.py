@@ -81,6 +81,7 @@ def main() -> None:
     lm = train_ngram(text, args.order)
     train_s = time.perf_counter() - t
     ngrams = sum(len(p) for p in lm.probs)
+    training_rss = rss_mb() - start_rss
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "lm.arpa"
         t = time.perf_counter()
@@ -100,7 +101,7 @@ def main() -> None:
         "sentences": args.sentences, "words": sum(len(s) for s in text), "vocab": lm.vocab_size,
         "order": args.order, "ngrams": ngrams, "arpa_mb": round(size_mb, 1),
         "train_s": round(train_s, 2), "save_s": round(save_s, 2), "load_s": round(load_s, 2),
-        "load_ngrams_per_s": round(ngrams / load_s), "peak_rss_mb_training": round(rss_mb() - start_rss),
+        "load_ngrams_per_s": round(ngrams / load_s), "peak_rss_mb_training": round(training_rss),
         "peak_rss_mb_growth_loading": round(load_rss),
         "score_sentences_per_s": round(args.score / score_s),
     }

@@ -116,6 +116,8 @@ run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by las
 # the search with neither.
 decode() {
   local name extra
+  # an experiment whose stage 1 ran before stage 1 built the LM
+  [ -f "$data/lm.arpa" ] || asr lm --manifest "$data/train.jsonl" --order 3 --out "$data/lm.arpa"
   for name in decode_test decode_test_nolm decode_test_open; do
     case $name in
       decode_test) extra=(decoding.lexicon="$data/words.txt" decoding.lm="$data/lm.arpa");;
@@ -129,9 +131,12 @@ decode() {
 run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml; with the lexicon and the LM, the lexicon alone, neither)" decode
 results() {
   python - "$exp"/decode_test{,_nolm,_open}/wer.json <<'PY'
-import json, sys
+import json, os, sys
 whats = ["training words as the lexicon, word LM", "training words as the lexicon", "open vocabulary"]
 for path, what in zip(sys.argv[1:], whats):
+    if not os.path.exists(path):  # decoded before stage 5 wrote it: rerun with --stage 5
+        print(f"| test set, {what} | not decoded: no {path} |")
+        continue
     r = json.load(open(path))
     print(f"| test set (unseen sentences and accents), {what} | utterances {r['utterances']} "
           f"| words {r['words']} | WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
