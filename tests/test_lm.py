@@ -146,39 +146,26 @@ def test_a_hand_written_arpa_backs_off_as_the_format_says(tmp_path):
     assert lm.score(["DOG"]) == pytest.approx((-0.5 - 1.2 - 0.5) * ln10)  # no <unk>: the rarest word
 
 
-WITH_UNK = """\\data\\
-ngram 1=5
-ngram 2=2
-
-\\1-grams:
--1.0\t<s>\t-0.5
--0.5\t</s>
--1.5\t<UNK>\t-0.2
--0.7\ta\t-0.3
--0.6\tThe
-
-\\2-grams:
--0.1\t<unk> a
--0.4\tthe a
-
-\\end\\
-"""
+WITH_UNK = (HAND_WRITTEN.replace("ngram 1=5", "ngram 1=6").replace("ngram 2=2", "ngram 2=3")
+            .replace("-1.2\tcat\n", "-1.2\tcat\n-1.5\t<UNK>\t-0.2\n")  # markers in any case
+            .replace("-0.4\tthe cat\n", "-0.4\tthe cat\n-0.1\t<unk> cat\n"))
 
 
 def test_unknown_words_read_as_unk_in_the_context_too(tmp_path):
     (tmp_path / "lm.arpa").write_text(WITH_UNK)
     lm = NgramLM.load(tmp_path / "lm.arpa")
-    assert lm.log10_prob(["ZZZ"], "A") == pytest.approx(-0.1)  # the <unk> bigram, not A's unigram
-    assert lm.log10_prob(["A"], "ZZZ") == pytest.approx(-0.3 - 1.5)
-    assert lm.score(["ZZZ", "A"]) == pytest.approx((-0.5 - 1.5 - 0.1 - 0.3 - 0.5) * math.log(10))
+    assert lm.log10_prob(["ZZZ"], "CAT") == pytest.approx(-0.1)  # the <unk> bigram, not CAT's unigram
+    assert lm.log10_prob(["THE"], "ZZZ") == pytest.approx(-0.3 - 1.5)
+    assert lm.score(["ZZZ", "CAT"]) == pytest.approx((-0.5 - 1.5 - 0.1 - 0.5) * math.log(10))
 
 
 def test_spellings_that_normalize_alike_add_and_a_bom_is_allowed(tmp_path):
-    text = WITH_UNK.replace("-0.6\tThe\n", "-0.6\tThe\n-0.9\tthe\n").replace("ngram 1=5", "ngram 1=6")
+    text = HAND_WRITTEN.replace("-1.2\tcat\n", "-1.2\tcat\n-0.9\tThe\n").replace("ngram 1=5", "ngram 1=6")
     (tmp_path / "lm.arpa").write_bytes(b"\xef\xbb\xbf" + text.encode())
     lm = NgramLM.load(tmp_path / "lm.arpa")
-    assert 10 ** lm.log10_prob([], "THE") == pytest.approx(10 ** -0.6 + 10 ** -0.9)
-    assert lm.log10_prob(["THE"], "A") == pytest.approx(-0.4)
+    assert 10 ** lm.log10_prob([], "THE") == pytest.approx(10 ** -0.7 + 10 ** -0.9)
+    assert lm.log10_prob(["THE"], "CAT") == pytest.approx(-0.4)
+    assert lm.log10_prob(["THE"], "DON'T") == pytest.approx(-0.3 - 0.9)  # the first line's backoff
 
 
 @pytest.mark.parametrize("text, message", [
