@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -64,3 +65,20 @@ def test_every_stage_then_a_rerun_skips_them(realspeech, tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert again.stdout.count("done before, skipped") == 8
     assert " took " not in again.stdout
+
+    # a word LM of the training transcripts (gzip-compressed, as published LMs are): stages 6-7
+    # again, into their own folders, the run without it kept
+    lm = tmp_path / "train.3gram.arpa.gz"
+    made = subprocess.run([sys.executable, "-m", "asr.cli", "lm", "--manifest", str(manifests / "train.jsonl"),
+                           "--out", str(lm)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    with_lm = subprocess.run([*cmd, "--lm", str(lm), "--lm-weight", "0.5"], capture_output=True, text=True, env=env,
+                             timeout=600)
+    assert with_lm.returncode == 0, with_lm.stdout[-3000:] + with_lm.stderr[-3000:]
+    assert "stage 6 took" in with_lm.stdout and "stage 7 took" in with_lm.stdout
+    assert with_lm.stdout.count("done before, skipped") == 6
+    for name in sets:
+        wer = json.loads((exp / "decode_default_beam4_lmtrain.3gram_w0.5" / name / "wer.json").read_text())
+        assert wer["decoding"]["lm"] == str(lm) and wer["decoding"]["lm_weight"] == 0.5
+    assert "LM train.3gram.arpa.gz (weight 0.5)" in (exp / "RESULTS_lm.md").read_text()
+    assert "LM" not in (exp / "RESULTS.md").read_text()

@@ -6,7 +6,7 @@
 #        [--name NAME] [--data-dir DIR] [--download-dir DIR] [--exp-dir DIR] [--mirror URL|FOLDER]
 #        [--parts p1,p2,...] [--no-speed-perturb] [--nnodes N --node-rank R --master-addr HOST]
 #        [--master-port P] [--nproc-per-node N] [--decode-config FILE] [--beam-size N]
-#        [--average-num N] [section.key=value ...]
+#        [--lm LM.arpa[.gz] [--lm-weight W]] [--average-num N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 download, verify (md5) and unpack the archives   1 manifests (speed perturbation 0.9/1.1)
@@ -14,6 +14,9 @@
 #   4 train (torchrun)   5 average the best checkpoints   6 decode dev/test   7 RESULTS.md
 # Defaults: --size 100 (conf/librispeech_100h.yaml; 960: conf/librispeech_960h.yaml), data in
 # recipes/librispeech/data, experiment in recipes/librispeech/exp/NAME, beam 20 with CTC weight 0.3.
+# --lm: stages 6-7 rescore the beam with a word n-gram LM in the ARPA format (asr.lm; e.g.
+# openslr.org/resources/11's 3-gram.pruned.1e-7.arpa.gz) into decode_..._lm<name>_w<weight>/ and
+# RESULTS_lm.md; a run without --lm (RESULTS.md) keeps its own folders.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -22,7 +25,7 @@ abspath() { case $1 in /*|http://*|https://*) echo "$1";; *) echo "$PWD/$1";; es
 stage=0; stop_stage=100; force_from=1000; size=100; config=""; name=""; data=$here/data; downloads=""
 exp=""; mirror=https://www.openslr.org/resources/12; parts=""; speeds=0.9,1.1
 nnodes=1; node_rank=0; master_addr=""; master_port=29500; nproc=""
-decode_config=$root/conf/decode/default.yaml; beam=20; average_num=10; overrides=()
+decode_config=$root/conf/decode/default.yaml; beam=20; average_num=10; overrides=(); lm=""; lm_weight=0.3
 while [ $# -gt 0 ]; do
   case $1 in
     --stage) stage=$2; force_from=$2; shift 2;;
@@ -43,8 +46,10 @@ while [ $# -gt 0 ]; do
     --nproc-per-node) nproc=$2; shift 2;;
     --decode-config) decode_config=$(abspath "$2"); shift 2;;
     --beam-size) beam=$2; shift 2;;
+    --lm) lm=$(abspath "$2"); shift 2;;
+    --lm-weight) lm_weight=$2; shift 2;;
     --average-num) average_num=$2; shift 2;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2;;
   esac
@@ -80,6 +85,11 @@ nosp_tag=_nosp; [ -n "$speeds" ] && nosp_tag=""
 name=${name:-$(basename "$config" .yaml)$nosp_tag}
 exp=${exp:-$here/exp/$name}
 dname=decode_$(basename "$decode_config" .yaml)${beam:+_beam$beam}
+if [ -n "$lm" ]; then
+  [ -f "$lm" ] || { echo "run.sh: no LM file $lm" >&2; exit 2; }
+  lm_name=$(basename "$lm"); lm_name=${lm_name%.gz}; lm_name=${lm_name%.arpa}
+  dname=${dname}_lm${lm_name}_w$lm_weight
+fi
 mkdir -p "$exp" "$mf"
 log=$exp/run.log
 say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
@@ -130,6 +140,7 @@ train() {  # one process per visible GPU (or one on a CPU) on each of --nnodes m
 }
 decode() {
   local set beam_args=(); [ -n "$beam" ] && beam_args=(--beam-size "$beam")
+  if [ -n "$lm" ]; then beam_args+=(decoding.lm="$lm" decoding.lm_weight="$lm_weight"); fi
   for set in ${test_sets//,/ }; do
     asr decode --model "$exp/model_avg.pt" --manifest "$mf/$set.jsonl" --out-dir "$exp/$dname/$set" \
       --config "$decode_config" "${beam_args[@]}"
@@ -154,4 +165,5 @@ run_stage 5 "average the $average_num best checkpoints" "$exp/.done-stage5" \
 run_stage 6 "decode $test_sets ($dname)" "$exp/.done-stage6-$dname" decode
 run_stage 7 "results table" "$exp/.done-stage7-$dname" \
   python local/results.py --exp-dir "$exp" --decode-name "$dname" --sets "$test_sets" \
-  --title "LibriSpeech $dtag: $(basename "$config")" --out "$exp/RESULTS.md"
+  --title "LibriSpeech $dtag: $(basename "$config")${lm:+, LM $(basename "$lm") (weight $lm_weight)}" \
+  --out "$exp/RESULTS${lm:+_lm}.md"
