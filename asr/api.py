@@ -216,22 +216,22 @@ class Recognizer:
             padded = torch.nn.utils.rnn.pad_sequence([feats[i] for i in usable], batch_first=True)  # (B, T, D)
             memory, memory_lens = self.model.encoder(padded, lens)
             constraint = LexiconScorer(self.lexicon(options.lexicon)) if options.lexicon else None
-            search = dataclasses.replace(options, nbest=options.beam_size) if options.lm else options
+            lm = self.language_model(options.lm) if options.lm else None
+            search = dataclasses.replace(options, nbest=options.beam_size) if lm else options
             for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, search, constraint)):
-                out[i] = self._rescore(nbest, options) if options.lm else nbest
+                out[i] = self._rescore(nbest, lm, options) if lm else nbest
         return out
 
-    def _rescore(self, nbest: tuple[Hypothesis, ...], options: SearchOptions) -> tuple[Hypothesis, ...]:
+    def _rescore(self, nbest: tuple[Hypothesis, ...], lm: NgramLM, options: SearchOptions) -> tuple[Hypothesis, ...]:
         """The best options.nbest of `nbest` after adding options.lm_weight * ln P_LM(words)."""
         words = [normalize_text(self.text(h.tokens)).split() for h in nbest]
-        best = rescore([(w, h.score) for w, h in zip(words, nbest)], self.language_model(options.lm),
-                       options.lm_weight, options.nbest)
+        best = rescore([(w, h.score) for w, h in zip(words, nbest)], lm, options.lm_weight, options.nbest)
         return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
 
     def lexicon(self, path: str | os.PathLike) -> Lexicon:
         """The word list at `path` compiled for this model's tokenizer: once per path, and again when
-        the file has changed (its size or modification time); LexiconError when it cannot be read
-        or used."""
+        the file has changed (its size, modification time or inode); LexiconError when it cannot be
+        read or used."""
         return _cached(self._lexicons, path, lambda key: Lexicon.from_file(key, self.tokenizer).to(self.device))
 
     def language_model(self, path: str | os.PathLike) -> NgramLM:

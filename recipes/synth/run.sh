@@ -85,10 +85,11 @@ lang=$data/lang_$kind; size_args=()
 [ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
 # the tokenizer, the training words (the lexicon of stage 5) and a word trigram LM of the training
 # transcripts (asr.lm: it rescores the beam in stage 5)
+word_lm() { asr lm --manifest "$data/train.jsonl" --order 3 --out "$data/lm.arpa"; }
 words_and_lm() {
   asr tokenizer --manifest "$data/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$lang" \
     --words "$data/words.txt"
-  asr lm --manifest "$data/train.jsonl" --order 3 --out "$data/lm.arpa"
+  word_lm
 }
 run_stage 1 "tokenizer ($kind${size_args:+ $vocab}), the training words and a word LM" words_and_lm
 # CMVN statistics, and the training features dumped in the same pass (float16, no dither): read by
@@ -117,7 +118,7 @@ run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by las
 decode() {
   local name extra
   # an experiment whose stage 1 ran before stage 1 built the LM
-  [ -f "$data/lm.arpa" ] || asr lm --manifest "$data/train.jsonl" --order 3 --out "$data/lm.arpa"
+  [ -f "$data/lm.arpa" ] || word_lm
   for name in decode_test decode_test_nolm decode_test_open; do
     case $name in
       decode_test) extra=(decoding.lexicon="$data/words.txt" decoding.lm="$data/lm.arpa");;
