@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the transcripts of a manifest (repeatable)")
     p.add_argument("--text", action="append", default=[], metavar="FILE", help="one sentence per line (repeatable)")
     p.add_argument("--order", type=int, default=3, metavar="N", help="n-gram order (default 3)")
-    p.add_argument("--out", required=True, metavar="LM.arpa")
+    p.add_argument("--out", required=True, metavar="LM.arpa", help="the ARPA file (.gz: gzip-compressed)")
     p.set_defaults(func=cmd_lm)
 
     p = sub.add_parser("cmvn", help="global mean/variance statistics of the fbank features")
