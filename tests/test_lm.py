@@ -101,6 +101,14 @@ def test_a_unigram_model_by_hand():
     assert lm.score(["A"]) == pytest.approx(math.log((5 / 3) / 6 + share) + math.log((3 - 1 / 3) / 6 + share))
 
 
+def test_perplexity_is_per_predicted_word_end_included():
+    lm = train_ngram(CORPUS, 2)
+    sents = [["WE", "WILL", "GO"], ["HOME"]]
+    want = math.exp(-(lm.score(sents[0]) + lm.score(sents[1])) / (4 + 2))
+    assert lm.perplexity(sents) == pytest.approx(want)
+    assert lm.perplexity(CORPUS) < lm.perplexity([s[::-1] for s in CORPUS])
+
+
 @pytest.mark.parametrize("name", ["lm.arpa", "lm.arpa.gz"])
 def test_arpa_files_read_back_to_the_same_scores(tmp_path, name):
     lm = train_ngram(CORPUS, 3)
