@@ -16,6 +16,7 @@ import pytest
 from test_api import write_decode_files
 
 from asr.api import load_model
+from asr.audio import load_audio
 from asr.decode import DecodingConfig, decode_manifest
 from asr.lm import BOS, EOS, UNK, LMError, NgramLM, rescore, train_ngram
 from asr.metrics import normalize_text
@@ -246,7 +247,7 @@ def test_rescored_decoding_picks_the_best_sum_of_the_beam(files):
     model, folder = files
     recognizer = load_model(model)
     lm = NgramLM.load(folder / "lm.arpa")
-    feats = [recognizer.feats(wave(folder / f"u{i}.wav")) for i in range(4)]
+    feats = [recognizer.feats(load_audio(folder / f"u{i}.wav")) for i in range(4)]
     beam = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=6)
     plain = recognizer.decode(feats, beam)
     changed = 0
@@ -260,13 +261,6 @@ def test_rescored_decoding_picks_the_best_sum_of_the_beam(files):
             assert [h.score for h in found] == pytest.approx([t for t, _ in totals], abs=1e-6)
             changed += weight > 0 and found[0].tokens != nbest[0].tokens
     assert changed >= 1  # the LM moved some choice
-
-
-def wave(path):
-    import soundfile as sf
-    import torch
-
-    return torch.from_numpy(sf.read(path, dtype="float32")[0])
 
 
 def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
@@ -285,12 +279,16 @@ def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
     assert wer["decoding"]["lm"] == str(tmp_path / "lm.arpa") and wer["decoding"]["lm_weight"] == 0.5
     header = json.loads((tmp_path / "dec" / "decode.jsonl").read_text().splitlines()[0])
     assert header["header"]["lm"]["size"] == (tmp_path / "lm.arpa").stat().st_size
-    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", str(model), "--beam-size", "4",
-                           "--lm", str(tmp_path / "lm.arpa"), "--lm-weight", "0.5", str(folder / "u1.wav")],
-                          capture_output=True, text=True)
+    # the command line passes --lm and --lm-weight on: the API's transcripts with them, not without
+    # (the fixture's LM and the search of test_rescored_decoding_picks_the_best_sum_of_the_beam)
+    audio, lm_file = [folder / f"u{i}.wav" for i in range(4)], folder / "lm.arpa"
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", str(model), "--beam-size", "6",
+                           "--lm", str(lm_file), "--lm-weight", "3", *map(str, audio)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    api = load_model(model).transcribe([folder / "u1.wav"], beam_size=4, lm=tmp_path / "lm.arpa", lm_weight=0.5)
-    assert done.stdout.strip() == api[0].text
+    recognizer = load_model(model)
+    with_lm = [r.text for r in recognizer.transcribe(audio, beam_size=6, lm=lm_file, lm_weight=3.0)]
+    assert [line.split("\t", 1)[1] for line in done.stdout.splitlines()] == with_lm
+    assert with_lm != [r.text for r in recognizer.transcribe(audio, beam_size=6)]
 
 
 def test_a_replaced_lm_file_is_read_again(files, tmp_path):
@@ -310,13 +308,15 @@ def test_a_replaced_lm_file_is_read_again(files, tmp_path):
 
 def test_a_bad_lm_is_one_line_naming_the_file(files, tmp_path):
     model, folder = files
-    for args in (["decode", "--model", str(model), "--manifest", str(folder / "test.jsonl"), "--out-dir",
-                  str(tmp_path / "d"), f"decoding.lm={tmp_path / 'nowhere.arpa'}"],
-                 ["transcribe", "--model", str(model), "--lm", str(tmp_path / "nowhere.arpa"), str(folder / "u0.wav")],
-                 ["lm", "--out", str(tmp_path / "x.arpa")],
-                 ["transcribe", "--model", str(model), "--lm-weight", "0.5", str(folder / "u0.wav")]):
+    missing = "nowhere.arpa: cannot read the language model"
+    for args, message in (
+            (["decode", "--model", str(model), "--manifest", str(folder / "test.jsonl"), "--out-dir",
+              str(tmp_path / "d"), f"decoding.lm={tmp_path / 'nowhere.arpa'}"], missing),
+            (["transcribe", "--model", str(model), "--lm", str(tmp_path / "nowhere.arpa"), str(folder / "u0.wav")],
+             missing),
+            (["lm", "--out", str(tmp_path / "x.arpa")], "give --manifest"),
+            (["transcribe", "--model", str(model), "--lm-weight", "0.5", str(folder / "u0.wav")],
+             "--lm-weight needs --lm")):
         done = subprocess.run([sys.executable, "-m", "asr.cli", *args], capture_output=True, text=True)
         assert done.returncode != 0
-        last = done.stderr.strip().splitlines()[-1]
-        assert any(m in last for m in ("nowhere.arpa: cannot read the language model", "give --manifest",
-                                       "--lm-weight needs --lm")), done.stderr
+        assert message in done.stderr.strip().splitlines()[-1], (args[0], done.stderr)
