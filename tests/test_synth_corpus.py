@@ -131,6 +131,16 @@ def test_generated_splits_hold_spliced_training_sentences_only_in_train():
     assert not set(default["train"]) & (set(default["dev"]) | set(default["test"]))
 
 
+def test_lm_sentences_continue_the_training_stream_past_train_and_dev():
+    num = {"train": 1000, "dev": 100, "test": 100}
+    texts = synthesize.generated_texts(num, seed=3)
+    stream = make_text.make_sentences(1100 + 500, "train", seed=3)
+    lm = synthesize.lm_sentences(num, seed=3, count=500)
+    assert lm == stream[1100:]  # training templates only, in generation order: deterministic
+    assert not set(lm) & (set(texts["train"]) | set(texts["dev"]) | set(texts["test"]))
+    assert synthesize.lm_sentences(num, seed=3, count=500, avoid=lm[:7]) == lm[7:]  # the test sentences
+
+
 @pytest.mark.parametrize("n, words", [
     (0, "ZERO"), (13, "THIRTEEN"), (40, "FORTY"), (99, "NINETY NINE"), (100, "ONE HUNDRED"),
     (305, "THREE HUNDRED AND FIVE"), (1005, "ONE THOUSAND AND FIVE"),
@@ -186,8 +196,15 @@ def test_every_voice_exists():
 def corpus(tmp_path_factory) -> Path:
     """3 utterances per split, synthesized by 2 worker processes."""
     out = tmp_path_factory.mktemp("synth")
-    synthesize.synthesize_corpus(out, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=2)
+    synthesize.synthesize_corpus(out, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=2, lm_count=50)
     return out
+
+
+def test_lm_text_holds_other_training_template_sentences(corpus):
+    lines = (corpus / "lm_text.txt").read_text(encoding="utf-8").splitlines()
+    assert lines == synthesize.lm_sentences({"train": 3, "dev": 3, "test": 3}, seed=1, count=50)
+    spoken = {u["text"] for split in synthesize.SPLITS for u in read_jsonl(corpus / f"{split}.jsonl")}
+    assert len(lines) == 50 and not set(lines) & spoken
 
 
 def test_manifests_match_the_flac_files(corpus):
@@ -281,6 +298,11 @@ def test_text_file_splits_sentences_and_spells_numbers(tmp_path):
     assert not set(texts["train"]) & (set(texts["dev"]) | set(texts["test"]))
     assert all(t.startswith("LINE NUMBER ") and t.endswith(" OF THE FILE") for ts in texts.values() for t in ts)
     assert "LINE NUMBER ONE OF THE FILE" in sum(texts.values(), [])
+    # the generator's LM text is the generator's: a stale one from an earlier run is removed
+    (out / "lm_text.txt").write_text("STALE\n", encoding="utf-8")
+    assert synthesize.main(["--out-dir", str(out), "--num-train", "5", "--num-dev", "1", "--num-test", "2",
+                            "--text", str(text), "--jobs", "1"]) == 0
+    assert not (out / "lm_text.txt").exists()
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
@@ -297,3 +319,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
         synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
                          "--num-test", "1", "--spliced", "2"])
     assert "--spliced must be within [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
+                         "--num-test", "1", "--lm-sentences", "-1"])
+    assert "counts must be >= 0" in capsys.readouterr().err

@@ -18,7 +18,8 @@ RUN = ROOT / "recipes" / "synth" / "run.sh"
 def run(tmp: Path, *args: str) -> str:
     """Run the data stages of the recipe on a tiny corpus in tmp; returns its output."""
     cmd = ["bash", str(RUN), "--num-train", "12", "--num-dev", "4", "--num-test", "4",
-           "--data-dir", str(tmp / "data"), "--exp-dir", str(tmp / "exp"), *args, "tokenizer.kind=char"]
+           "--lm-sentences", "40", "--data-dir", str(tmp / "data"), "--exp-dir", str(tmp / "exp"), *args,
+           "tokenizer.kind=char"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -36,10 +37,14 @@ def test_stages_are_skipped_when_done_and_rerun_from_stage(tmp_path):
     texts = [json.loads(line)["text"] for line in (data / "train.jsonl").read_text().splitlines()]
     train_words = {w for text in texts for w in text.split()}
     assert (data / "words.txt").read_text().split() == sorted(train_words)
-    # the word trigram LM of those transcripts, which rescores stage 5's beam
+    # the word trigram LM of those transcripts and of the 40 sentences of lm_text.txt, which
+    # rescores stage 5's beam
+    more = (data / "lm_text.txt").read_text().splitlines()
+    assert len(more) == 40
     lm = NgramLM.load(data / "lm.arpa")
-    assert lm.order == 3 and lm.vocab_size == len(train_words)
-    assert lm.score(texts[0].split()) > lm.score(texts[0].split()[::-1] + ["ZZZ"])
+    assert lm.order == 3 and lm.vocab_size == len(train_words | {w for s in more for w in s.split()})
+    for sentence in (texts[0], more[0]):
+        assert lm.score(sentence.split()) > lm.score(sentence.split()[::-1] + ["ZZZ"])
     # CMVN with the config's mel bins (conf/synth.yaml: 40), and the training features dumped beside it
     assert len(json.loads((data / "cmvn.json").read_text())["sum"]) == 40
     index = json.loads((data / "feats_train" / "index.json").read_text())
