@@ -120,7 +120,7 @@ run_stage 3 "train $(basename "$config")" train
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 # The test sentences use the training vocabulary (new sentences, not new words), so the recipe's
 # result decodes with the training words as a closed lexicon (asr.lexicon: every hypothesis is a
-# sequence of those words) and rescores the beam with the word LM of the training transcripts
+# sequence of those words) and rescores the beam with stage 1's word LM
 # (conf/decode/synth.yaml: lm_weight); decode_test_nolm is the lexicon alone, decode_test_open
 # the search with neither.
 decode() {
