@@ -55,6 +55,8 @@ import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
 from make_text import make_sentences, number_words, ordinal_words, random_words_some, splice_some  # noqa: E402 (this script's folder)
 
+from asr.fileio import atomic_open  # noqa: E402
+
 SAMPLE_RATE = 16000
 SPLITS = ("train", "dev", "test")
 
@@ -205,13 +207,6 @@ def lm_sentences(num: dict[str, int], seed: int, count: int = LM_SENTENCES, avoi
     start = num["train"] + num["dev"]
     skip = set(avoid)
     return [s for s in make_sentences(start + count, "train", seed)[start:] if s not in skip]
-
-
-def write_lines(path: Path, lines: list[str]) -> None:
-    """One line per item, written under a temporary name, then renamed."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def file_texts(path: Path, num: dict[str, int], seed: int) -> dict[str, list[str]]:
@@ -445,14 +440,12 @@ def run_plan(utts: list[Utt], out_dir: Path, jobs: int) -> tuple[dict[str, int],
 
 
 def write_manifest(path: Path, utts: list[Utt], frames: dict[str, int]) -> None:
-    """JSON Lines manifest sorted by id, written atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    """JSON Lines manifest sorted by id, written atomically (asr.fileio.atomic_open)."""
+    with atomic_open(path) as f:
         for u in sorted(utts, key=lambda u: u.id):
             line = {"id": u.id, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE,
                     "text": u.text, "speaker": u.voice}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
 
 
 def check_voices(test_accents: tuple[str, ...]) -> None:
@@ -488,7 +481,8 @@ def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text
     if text_file or not lm_count:
         lm_text.unlink(missing_ok=True)  # not one of an earlier run with the generator
     else:
-        write_lines(lm_text, lm_sentences(num, seed, lm_count, avoid=texts["test"]))
+        with atomic_open(lm_text) as f:
+            f.writelines(f"{line}\n" for line in lm_sentences(num, seed, lm_count, avoid=texts["test"]))
     made = len(all_utts) - reused
     seconds = sum(frames.values()) / SAMPLE_RATE
     print(f"synthesize: {len(all_utts)} utterances ({seconds / 3600:.2f} h) in {out_dir}: {made} made, "
