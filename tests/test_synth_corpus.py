@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -141,6 +142,28 @@ def test_lm_sentences_continue_the_training_stream_past_train_and_dev():
     assert synthesize.lm_sentences(num, seed=3, count=500, avoid=lm[:7]) == lm[7:]  # the test sentences
 
 
+
+def test_clauses_are_new_word_sequences_that_keep_out_of_the_test_frames():
+    sentences = make_text.clauses(3000, seed=5)
+    assert len(set(sentences)) == 3000 and sentences == make_text.clauses(3000, seed=5)
+    assert sentences[:100] == make_text.clauses(100, seed=5) and sentences != make_text.clauses(3000, seed=6)
+    vocab, runs = make_text.vocabulary(), make_text.test_frame_runs()
+    assert ("IF", "IT", "IS") in runs and ("WE", "WILL", "GO") in runs  # literal words only
+    assert not any("{" in w for run in runs for w in run)
+    forms = [re.compile("^" + re.sub(r"\{[^}]+\}", ".+", t) + "$") for t in make_text.TEST_TEMPLATES]
+    for s in sentences:
+        words = s.split()
+        assert make_text.is_normalized(s) and set(words) <= vocab and len(words) <= 16, s
+        assert not any(tuple(words[i:i + 3]) in runs for i in range(len(words) - 2)), s
+        assert not any(f.match(s) for f in forms), s
+    # what the templates lack: word pairs of tenses, modals and questions the test frames use too
+    def word_pairs(texts: list[str]) -> set[tuple[str, str]]:
+        return {p for s in texts for p in zip(s.split(), s.split()[1:])}
+    pairs, template_pairs = word_pairs(sentences), word_pairs(make_text.make_sentences(20000, "train", seed=5))
+    for pair in [("WE", "WILL"), ("SHOULD", "HAVE"), ("IF", "IT"), ("HAVE", "YOU")]:
+        assert pair in pairs
+    assert len(pairs - template_pairs) > len(pairs) / 2
+
 @pytest.mark.parametrize("n, words", [
     (0, "ZERO"), (13, "THIRTEEN"), (40, "FORTY"), (99, "NINETY NINE"), (100, "ONE HUNDRED"),
     (305, "THREE HUNDRED AND FIVE"), (1005, "ONE THOUSAND AND FIVE"),
@@ -196,15 +219,18 @@ def test_every_voice_exists():
 def corpus(tmp_path_factory) -> Path:
     """3 utterances per split, synthesized by 2 worker processes."""
     out = tmp_path_factory.mktemp("synth")
-    synthesize.synthesize_corpus(out, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=2, lm_count=50)
+    synthesize.synthesize_corpus(out, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=2, lm_count=50,
+                                 lm_clause_count=20)
     return out
 
 
-def test_lm_text_holds_other_training_template_sentences(corpus):
+def test_lm_text_holds_other_training_template_sentences_then_clauses(corpus):
     lines = (corpus / "lm_text.txt").read_text(encoding="utf-8").splitlines()
-    assert lines == synthesize.lm_sentences({"train": 3, "dev": 3, "test": 3}, seed=1, count=50)
+    assert lines[:50] == synthesize.lm_sentences({"train": 3, "dev": 3, "test": 3}, seed=1, count=50)
+    assert lines[50:] == make_text.clauses(20, seed=1)
     spoken = {u["text"] for split in synthesize.SPLITS for u in read_jsonl(corpus / f"{split}.jsonl")}
-    assert len(lines) == 50 and not set(lines) & spoken
+    assert len(lines) == 70 and not set(lines) & spoken
+    assert synthesize.lm_clauses(20, seed=1, avoid=lines[50:53]) == lines[53:]
 
 
 def test_manifests_match_the_flac_files(corpus):
@@ -322,4 +348,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
                          "--num-test", "1", "--lm-sentences", "-1"])
+    assert "counts must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        synthesize.main(["--out-dir", str(tmp_path), "--num-train", "1", "--num-dev", "1",
+                         "--num-test", "1", "--lm-clauses", "-1"])
     assert "counts must be >= 0" in capsys.readouterr().err

@@ -18,7 +18,8 @@ RUN = ROOT / "recipes" / "synth" / "run.sh"
 def run(tmp: Path, *args: str) -> str:
     """Run the data stages of the recipe on a tiny corpus in tmp; returns its output."""
     cmd = ["bash", str(RUN), "--num-train", "12", "--num-dev", "4", "--num-test", "4",
-           "--lm-sentences", "40", "--data-dir", str(tmp / "data"), "--exp-dir", str(tmp / "exp"), *args,
+           "--lm-sentences", "30", "--lm-clauses", "10", "--data-dir", str(tmp / "data"),
+           "--exp-dir", str(tmp / "exp"), *args,
            "tokenizer.kind=char"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -37,7 +38,7 @@ def test_stages_are_skipped_when_done_and_rerun_from_stage(tmp_path):
     texts = [json.loads(line)["text"] for line in (data / "train.jsonl").read_text().splitlines()]
     train_words = {w for text in texts for w in text.split()}
     assert (data / "words.txt").read_text().split() == sorted(train_words)
-    # the word trigram LM of those transcripts and of the 40 sentences of lm_text.txt, which
+    # the word trigram LM of those transcripts and of the 30 + 10 sentences of lm_text.txt, which
     # rescores stage 5's beam
     more = (data / "lm_text.txt").read_text().splitlines()
     assert len(more) == 40

@@ -4,7 +4,7 @@
 #
 #   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
 #                             [--num-train N] [--num-dev N] [--num-test N] [--lm-sentences N]
-#                             [--config conf/synth.yaml]
+#                             [--lm-clauses N] [--config conf/synth.yaml]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
@@ -25,7 +25,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
-lm_sentences=""
+lm_sentences=""; lm_clauses=""
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
@@ -38,6 +38,7 @@ while [ $# -gt 0 ]; do
     --num-dev) num_dev=$2; shift 2;;
     --num-test) num_test=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
+    --lm-clauses) lm_clauses=$2; shift 2;;
     --config) config=$(abspath "$2"); shift 2;;
     --data-dir) data=$(abspath "$2"); shift 2;;
     --exp-dir) exp=$(abspath "$2"); shift 2;;
@@ -73,6 +74,7 @@ run_stage() {  # run_stage N description command...
 
 text_args=(); [ -n "$text" ] && text_args=(--text "$text")
 [ -n "$lm_sentences" ] && text_args+=(--lm-sentences "$lm_sentences")
+[ -n "$lm_clauses" ] && text_args+=(--lm-clauses "$lm_clauses")
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
   python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
   "${text_args[@]}"
@@ -89,7 +91,7 @@ lang=$data/lang_$kind; size_args=()
 [ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
 # the tokenizer, the training words (the lexicon of stage 5) and a word trigram LM of the training
 # transcripts and, with the generator, of stage 0's lm_text.txt (300,000 more sentences of the
-# training templates) (asr.lm: it rescores the beam in stage 5)
+# training templates and 100,000 of a clause grammar) (asr.lm: it rescores the beam in stage 5)
 word_lm() {
   local more=(); [ -f "$data/lm_text.txt" ] && more=(--text "$data/lm_text.txt")
   asr lm --manifest "$data/train.jsonl" "${more[@]}" --order 3 --out "$data/lm.arpa"

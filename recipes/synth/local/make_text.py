@@ -944,6 +944,167 @@ def vocabulary() -> set[str]:
     return slot_words() | template_words("train") | template_words("test")
 
 
+
+# --- a clause grammar: more English word sequences for the word LM -------------------------------------
+#
+# The templates give the LM their frames only, and the test frames are new by design, so an LM of
+# template sentences knows WE WERE but not WE WILL. This grammar writes ordinary clauses from the
+# same word lists (tenses, modals, negation, questions, clauses joined or embedded) for the LM's
+# text alone; no audio is made from it. As for the training templates, no sentence shares a run of
+# three words with a test template's literal words, or has a test template's form (`clauses`).
+
+_BE = {"1s": ("AM", "WAS"), "2": ("ARE", "WERE"), "pl": ("ARE", "WERE"), "3s": ("IS", "WAS")}
+_PRONOUNS = (("I", "1s"), ("YOU", "2"), ("WE", "pl"), ("THEY", "pl"), ("HE", "3s"), ("SHE", "3s"),
+             ("IT", "3s"))
+_MODALS = ("CAN", "COULD", "SHOULD", "MUST", "MIGHT", "WOULD", "MAY", "WILL")
+_JOINERS = ("AND", "SO", "OR", "BECAUSE", "WHEN", "IF", "BEFORE", "AFTER", "WHILE", "UNTIL",
+            "ALTHOUGH", "AS SOON AS")
+_FRAMES = ("I THINK", "I KNOW THAT", "I HOPE", "I AM SURE THAT", "WE KNOW THAT", "THEY SAID THAT",
+           "SHE SAID THAT", "HE TOLD ME THAT", "IT IS TRUE THAT", "I WONDER IF", "DID YOU KNOW THAT",
+           "MAYBE", "PERHAPS", "OF COURSE", "I REMEMBER THAT", "I FORGOT THAT")
+_WH = ("WHERE", "WHEN", "WHY", "HOW")
+
+
+def _subject(rng: random.Random) -> tuple[str, str]:
+    """A subject and its agreement: "1s", "2", "pl" or "3s"."""
+    r = rng.random()
+    if r < 0.55:
+        return rng.choice(_PRONOUNS)
+    if r < 0.85:
+        return _person(rng), "3s"
+    if r < 0.92:
+        return "THE " + rng.choice(ANIMALS + JOBS), "3s"
+    return rng.choice(FIRST_NAMES) + " AND " + rng.choice(["I", *FIRST_NAMES]), "pl"
+
+
+_OBJECTS: dict[str, Callable[[random.Random], str]] = {
+    "thing": _either(SLOTS["the_thing"], SLOTS["a_thing"], SLOTS["things"], lambda rng: rng.choice(["IT", "THEM"])),
+    "food": _either(_food, lambda rng: "IT"),
+    "drink": SLOTS["drink"],
+    "person": _either(_person, lambda rng: rng.choice(["ME", "YOU", "HER", "US", "THEM"])),
+    "place": _either(lambda rng: "THE " + rng.choice(TOWN_PLACES), _pick(CITIES), lambda rng: "IT"),
+    "animal": _either(lambda rng: "THE " + rng.choice(ANIMALS), SLOTS["animals"], lambda rng: "IT"),
+    "intr": lambda rng: "",
+}
+
+
+def _adjunct(rng: random.Random) -> str:
+    return rng.choice([
+        lambda: "", lambda: "", lambda: _when(rng), lambda: rng.choice(ADVERBS),
+        lambda: "AT THE " + rng.choice(TOWN_PLACES), lambda: "IN " + rng.choice(CITIES + COUNTRIES),
+        lambda: "WITH " + _person(rng), lambda: "FOR " + SLOTS["duration"](rng),
+        lambda: "BEFORE " + _clock_time(rng), lambda: "AFTER " + rng.choice(["LUNCH", "DINNER", "WORK", "SCHOOL"]),
+    ])()
+
+
+def _predicate(rng: random.Random, agree: str) -> str:
+    """A verb phrase in one of many tenses and moods, agreeing with the subject."""
+    kind = rng.choice(list(VERBS))
+    base, past, ing, s, pp = _regular_forms(rng.choice(VERBS[kind]))
+    obj = _OBJECTS[kind](rng)
+    be_now, be_then = _BE[agree]
+    third = agree == "3s"
+    verb = rng.choice([
+        lambda: s if third else base, lambda: past, lambda: past,
+        lambda: "WILL " + base, lambda: "WILL NOT " + base,
+        lambda: rng.choice(_MODALS) + rng.choice(["", "", " NOT"]) + " " + base, lambda: "CANNOT " + base,
+        lambda: ("HAS " if third else "HAVE ") + rng.choice(["", "", "NOT ", "JUST ", "ALREADY ", "NEVER "]) + pp,
+        lambda: "HAD " + pp,
+        lambda: rng.choice(["SHOULD", "COULD", "MIGHT", "WOULD", "MUST"]) + rng.choice(["", " NOT"]) + " HAVE " + pp,
+        lambda: rng.choice([be_now, be_then]) + rng.choice(["", "", " NOT"]) + " " + ing,
+        lambda: rng.choice([be_now, be_then]) + " GOING TO " + base,
+        lambda: ("DOES NOT " if third else "DO NOT ") + base, lambda: "DID NOT " + base,
+        lambda: rng.choice(["WANTS TO " if third else "WANT TO ", "WANTED TO ", "HAS TO " if third else "HAVE TO ",
+                            "HAD TO ", "USED TO ", "LIKES TO " if third else "LIKE TO ", "FORGOT TO ",
+                            "WILL HAVE TO ", "IS ABLE TO " if third else "CAN "]) + base,
+    ])()
+    return " ".join(filter(None, [verb, obj, _adjunct(rng)]))
+
+
+def _copula(rng: random.Random, agree: str) -> str:
+    be_now, be_then = _BE[agree]
+    be = rng.choice([be_now, be_then, be_now + " NOT", be_then + " NOT", "WILL BE", "MIGHT BE", "SHOULD BE",
+                     "HAS BEEN" if agree == "3s" else "HAVE BEEN", "USED TO BE"])
+    rest = rng.choice([
+        lambda: rng.choice(FEELINGS),
+        lambda: rng.choice(["VERY", "SO", "TOO", "QUITE", "REALLY"]) + " " + rng.choice(FEELINGS),
+        lambda: rng.choice(ADJECTIVES), lambda: "AT THE " + rng.choice(TOWN_PLACES),
+        lambda: "IN " + rng.choice(CITIES + COUNTRIES), lambda: with_article(rng.choice(JOBS)),
+    ])()
+    return f"{be} {rest} {_adjunct(rng)}".strip()
+
+
+def _clause(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.1:
+        thing = rng.choice([SLOTS["a_thing"], SLOTS["things"], _food])(rng)
+        many = not thing.startswith(("A ", "AN ", "SOME "))
+        be = rng.choice(["ARE", "WERE"] if many else ["IS", "WAS"]) + rng.choice(["", " NOT"])
+        where = rng.choice(["IN THE ", "ON THE ", "UNDER THE ", "NEXT TO THE ", "BEHIND THE "])
+        return f"THERE {rng.choice([be, 'WILL BE'])} {thing} {where}{rng.choice(THINGS + TOWN_PLACES)}"
+    subject, agree = _subject(rng)
+    predicate = _copula(rng, agree) if r < 0.3 else _predicate(rng, agree)
+    return f"{subject} {predicate}"
+
+
+def _question(rng: random.Random) -> str:
+    subject, agree = _subject(rng)
+    kind = rng.choice(list(VERBS))
+    base, past, ing, s, pp = _regular_forms(rng.choice(VERBS[kind]))
+    obj = _OBJECTS[kind](rng)
+    third = agree == "3s"
+    be_now, be_then = _BE[agree]
+    aux, verb = rng.choice([
+        ("DOES" if third else "DO", base), ("DID", base), (rng.choice(_MODALS), base),
+        ("HAS" if third else "HAVE", pp), (rng.choice([be_now, be_then]), ing),
+    ])
+    wh = rng.choice(["", "", *_WH])
+    return " ".join(filter(None, [wh, aux, subject, verb, obj, _adjunct(rng) if not wh else ""]))
+
+
+def clause_sentence(rng: random.Random) -> str:
+    """One sentence of the clause grammar (may be too long or hold a test frame: see `clauses`)."""
+    r = rng.random()
+    if r < 0.4:
+        return _clause(rng)
+    if r < 0.6:
+        return f"{_clause(rng)} {rng.choice(_JOINERS)} {_clause(rng)}"
+    if r < 0.7:
+        return f"{rng.choice(['IF', 'WHEN', 'AFTER', 'BEFORE', 'BECAUSE', 'WHILE'])} {_clause(rng)} {_clause(rng)}"
+    if r < 0.85:
+        return _question(rng)
+    return f"{rng.choice(_FRAMES)} {_clause(rng)}"
+
+
+def test_frame_runs() -> set[tuple[str, ...]]:
+    """Every run of three literal words of a test template."""
+    runs = set()
+    for template in TEST_TEMPLATES:
+        tokens = template.split()
+        runs |= {tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2) if not any("{" in t for t in tokens[i:i + 3])}
+    return runs
+
+
+def clauses(n: int, seed: int = 0, max_words: int = 16) -> list[str]:
+    """n distinct sentences of the clause grammar, deterministic given the seed: each of the
+    generator's vocabulary, at most max_words long, sharing no run of three words with a test
+    template's literal words, and not of a test template's form (a draw that is is drawn again)."""
+    rng = _DeckRandom(f"synth-clauses:{seed}")
+    runs, vocab = test_frame_runs(), vocabulary()
+    forms = [re.compile("^" + _SLOT.sub(lambda m: ".+", t) + "$") for t in TEST_TEMPLATES]
+    out: list[str] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        sentence = " ".join(clause_sentence(rng).split())
+        words = sentence.split()
+        if (len(words) > max_words or sentence in seen or not vocab.issuperset(words)
+                or any(tuple(words[i:i + 3]) in runs for i in range(len(words) - 2))
+                or any(f.match(sentence) for f in forms)):
+            continue
+        seen.add(sentence)
+        out.append(sentence)
+    return out
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num", type=int, default=10, help="number of sentences")

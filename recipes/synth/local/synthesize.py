@@ -2,13 +2,13 @@
 
     python recipes/synth/local/synthesize.py --out-dir DATA --num-train N --num-dev M --num-test K \\
         [--seed S] [--text FILE] [--jobs J] [--test-accents en-gb-scotland,en-us-nyc] [--spliced F]
-        [--random-words F] [--lm-sentences N]
+        [--random-words F] [--lm-sentences N] [--lm-clauses N]
 
 writes DATA/wav/<split>/<id>.flac (16 kHz mono 16-bit FLAC) and DATA/{train,dev,test}.jsonl,
 manifests in the DESIGN.md format: {"id", "audio" (relative to DATA), "duration" (frames / 16000,
 exact), "text" (normalized), "speaker" ("<accent>+<variant>")}, sorted by id; with the generator,
-also DATA/lm_text.txt: more sentences of the training templates (none of train, dev or test), one
-per line, for the word LM.
+also DATA/lm_text.txt: more sentences of the training templates, then sentences of a clause grammar
+(make_text.clauses; none of train, dev or test), one per line, for the word LM.
 
 Splits. train: sentences of the training templates, a fraction of them (--spliced) replaced by
 sentences spliced from runs of words of the others, then a fraction (--random-words) by random
@@ -53,7 +53,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
-from make_text import make_sentences, number_words, ordinal_words, random_words_some, splice_some  # noqa: E402 (this script's folder)
+from make_text import clauses, make_sentences, number_words, ordinal_words, random_words_some, splice_some  # noqa: E402 (this script's folder)
 
 from asr.fileio import atomic_open  # noqa: E402
 
@@ -109,6 +109,15 @@ RANDOM_WORDS = 0.1
 # sentences in the test accents 5.07% -> 4.81%, dev 1.35% -> 1.17%, spliced sentences in the test
 # accents 6.95% -> 6.77%. It adds ~6 s of generation and ~15 s of LM training.
 LM_SENTENCES = 300_000
+# Sentences of make_text's clause grammar written to lm_text.txt after those: word sequences the
+# templates lack (WE WILL, SHOULD HAVE, IF IT), none sharing three words in a row with a test
+# template's literal words. Rescoring the 20-best of round 10's third run at weight 0.15, with the
+# lexicon, errors over two draws of 200 utterances each (recipes/README.md, round 11), without /
+# with 100,000 of them: test-template sentences 216 -> 191, held-out spliced sentences 112 -> 112,
+# training-template sentences in the test accents 105 -> 104, held-out spliced sentences in the test
+# accents 255 -> 259, random words in the test / training accents 711 -> 713 and 405 -> 406
+# (300,000: 186, 112, 102, 265, 716, 407). ~10 s of generation and ~10 s of LM training.
+LM_CLAUSES = 100_000
 
 # speak_lib.h
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
@@ -207,6 +216,13 @@ def lm_sentences(num: dict[str, int], seed: int, count: int = LM_SENTENCES, avoi
     start = num["train"] + num["dev"]
     skip = set(avoid)
     return [s for s in make_sentences(start + count, "train", seed)[start:] if s not in skip]
+
+
+def lm_clauses(count: int, seed: int, avoid: Iterable[str] = ()) -> list[str]:
+    """`count` sentences of the clause grammar (make_text.clauses) for the word LM, minus `avoid`
+    (the spoken sentences: a clause is rarely one of them)."""
+    skip = set(avoid)
+    return [s for s in clauses(count, seed) if s not in skip]
 
 
 def file_texts(path: Path, num: dict[str, int], seed: int) -> dict[str, list[str]]:
@@ -462,9 +478,10 @@ def check_voices(test_accents: tuple[str, ...]) -> None:
 def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text_file: Path | None = None,
                       jobs: int = 1, test_accents: tuple[str, ...] = TEST_ACCENTS,
                       spliced: float = SPLICED, random_words: float = RANDOM_WORDS,
-                      lm_count: int = LM_SENTENCES) -> dict[str, list[Utt]]:
+                      lm_count: int = LM_SENTENCES, lm_clause_count: int = LM_CLAUSES) -> dict[str, list[Utt]]:
     """Plan, synthesize and write the corpus; returns the plan of each split. With the generator
-    (no text_file), also writes lm_count sentences for the word LM to lm_text.txt (lm_sentences)."""
+    (no text_file), also writes lm_count sentences of the training templates (lm_sentences) and
+    lm_clause_count of the clause grammar (lm_clauses) for the word LM to lm_text.txt."""
     check_voices(test_accents)
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = file_texts(text_file, num, seed) if text_file else generated_texts(num, seed, spliced, random_words)
@@ -478,11 +495,13 @@ def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text
     for split in SPLITS:
         write_manifest(out_dir / f"{split}.jsonl", plan[split], frames)
     lm_text = out_dir / "lm_text.txt"
-    if text_file or not lm_count:
+    if text_file or not lm_count + lm_clause_count:
         lm_text.unlink(missing_ok=True)  # not one of an earlier run with the generator
     else:
+        spoken = [t for s in SPLITS for t in texts[s]]
         with atomic_open(lm_text) as f:
             f.writelines(f"{line}\n" for line in lm_sentences(num, seed, lm_count, avoid=texts["test"]))
+            f.writelines(f"{line}\n" for line in lm_clauses(lm_clause_count, seed, avoid=spoken))
     made = len(all_utts) - reused
     seconds = sum(frames.values()) / SAMPLE_RATE
     print(f"synthesize: {len(all_utts)} utterances ({seconds / 3600:.2f} h) in {out_dir}: {made} made, "
@@ -510,9 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lm-sentences", type=int, default=LM_SENTENCES,
                         help="generated training-template sentences written to lm_text.txt for the word LM "
                              "(not with --text)")
+    parser.add_argument("--lm-clauses", type=int, default=LM_CLAUSES,
+                        help="sentences of the clause grammar then written to lm_text.txt (not with --text)")
     args = parser.parse_args(argv)
     num = {"train": args.num_train, "dev": args.num_dev, "test": args.num_test}
-    if min(num.values()) < 0 or args.lm_sentences < 0:
+    if min(num.values()) < 0 or min(args.lm_sentences, args.lm_clauses) < 0:
         parser.error("utterance and sentence counts must be >= 0")
     for name in ("spliced", "random_words"):
         if not 0.0 <= getattr(args, name) <= 1.0:
@@ -520,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         synthesize_corpus(args.out_dir, num, seed=args.seed, text_file=args.text, jobs=args.jobs,
                           test_accents=tuple(filter(None, args.test_accents.split(","))), spliced=args.spliced,
-                          random_words=args.random_words, lm_count=args.lm_sentences)
+                          random_words=args.random_words, lm_count=args.lm_sentences,
+                          lm_clause_count=args.lm_clauses)
     except (SynthError, OSError) as e:
         print(f"synthesize: error: {e}", file=sys.stderr)
         return 1
