@@ -29,7 +29,7 @@ from asr.checkpoint import CheckpointError, load_file
 from asr.config import from_dict
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
 from asr.lexicon import Lexicon, LexiconScorer
-from asr.lm import NgramLM, rescore
+from asr.lm import NgramLM, WordLMScorer, rescore
 from asr.metrics import normalize_text
 from asr.model import ASRModel, ModelConfig
 from asr.search import Hypothesis, SearchOptions, decode_memory
@@ -163,6 +163,7 @@ class Recognizer:
         lexicon: str | os.PathLike | None = None,
         lm: str | os.PathLike | None = None,
         lm_weight: float | None = None,
+        lm_fusion: bool | None = None,
         raw: RawFormat | None = None,
         batch_size: int = 8,
         segmentation: SegmentOptions | None = None,
@@ -171,14 +172,15 @@ class Recognizer:
         (numpy or torch, (T,) or (T, C)), or a list of them. `raw` reads every path as headerless
         PCM of that format. mode / beam_size / ctc_weight / length_bonus / lexicon (a word list:
         beam search writes only its words; asr.lexicon) / lm, lm_weight (an ARPA word n-gram model
-        rescoring the beam; asr.lm) override this recognizer's SearchOptions.
+        rescoring the beam; asr.lm) / lm_fusion (the LM inside the search instead; asr.lm.WordLMScorer)
+        override this recognizer's SearchOptions.
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
         `batch_size` at a time.
         An input that cannot be read gives a Result with `error` set; the others go on."""
         segmentation = segmentation or SegmentOptions()
         overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus,
                      "lexicon": None if lexicon is None else os.fspath(lexicon),
-                     "lm": None if lm is None else os.fspath(lm), "lm_weight": lm_weight}
+                     "lm": None if lm is None else os.fspath(lm), "lm_weight": lm_weight, "lm_fusion": lm_fusion}
         options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
         if options.lexicon:  # a bad word list or LM fails here, before any audio is read
             self.lexicon(options.lexicon)
@@ -217,6 +219,11 @@ class Recognizer:
             memory, memory_lens = self.model.encoder(padded, lens)
             constraint = LexiconScorer(self.lexicon(options.lexicon)) if options.lexicon else None
             lm = self.language_model(options.lm) if options.lm else None
+            if lm is not None and options.lm_fusion:  # scored inside the search: nothing to rescore
+                fused = WordLMScorer.for_tokenizer(lm, self.tokenizer)
+                for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options, constraint, fused)):
+                    out[i] = nbest
+                return out
             search = dataclasses.replace(options, nbest=options.beam_size) if lm else options
             for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, search, constraint)):
                 out[i] = self._rescore(nbest, lm, options) if lm else nbest

@@ -22,7 +22,10 @@ except for n-grams that begin with <s> (nothing precedes <s>), as KenLM does.
 
 Rescoring (Recognizer.decode, when decoding.lm is set): beam search returns its whole beam of
 ended hypotheses; each one's score becomes search score + lm_weight * ln P_LM(words, </s>); the
-best `nbest` of them, by that score, are the result.
+best `nbest` of them, by that score, are the result. Fusion (decoding.lm_fusion, `WordLMScorer`):
+the LM scores each word inside the search, as the hypothesis ends it, so that a hypothesis the LM
+favours is kept in the beam rather than only re-ranked among those that survived; over a whole
+hypothesis it adds the same lm_weight * ln P_LM(words, </s>).
 
     lm = train_ngram([t.split() for t in texts], order=3)
     lm.save("data/lm.arpa")
@@ -39,12 +42,18 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+import torch
 
 from asr.fileio import atomic_open
 from asr.metrics import normalize_text
+from asr.tokenizer import SPACE, Tokenizer
 
-__all__ = ["BOS", "EOS", "UNK", "LMError", "NgramLM", "rescore", "train_ngram"]
+if TYPE_CHECKING:
+    from asr.search import Selection
+
+__all__ = ["BOS", "EOS", "UNK", "LMError", "NgramLM", "WordLMScorer", "rescore", "train_ngram"]
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 NO_PROB = -99.0  # log10 "probability" of <s> (never predicted), as ARPA files write it
@@ -292,3 +301,69 @@ def rescore(nbest: Sequence[tuple[Sequence[str], float]], lm: NgramLM, weight: f
     scored = [(score + weight * lm.score(words), i) for i, (words, score) in enumerate(nbest)]
     scored.sort(key=lambda item: (-item[0], item[1]))
     return [(i, score) for score, i in scored[:keep]]
+
+
+_State = tuple[list, list]  # WordLMScorer's: per row, the last words (a tuple) and the word being spelled
+
+
+class WordLMScorer:
+    """A word LM inside beam search (shallow fusion at word ends), as a PartialScorer
+    (asr.search): a candidate token whose piece begins a new word (starts with the word separator,
+    sentencepiece's "▁") ends the word the hypothesis was spelling, and scores
+    ln P(that word | the words before); other tokens score 0; ending (`final_score`, added to the
+    eos candidate and to a hypothesis cut at the length limit) scores that last word and
+    ln P(</s> | ...). Summed over a hypothesis this is `lm.score(words)`, so fused and rescored
+    scores are on one scale. The state holds, per row, the last order-1 words and the word
+    being spelled (Python lists: one LM look-up per row and step, cached by the LM)."""
+
+    def __init__(self, lm: NgramLM, pieces: Sequence[str | None], eos: int) -> None:
+        """pieces[t]: the text of token t (None: never spells anything: blank, unk, sos/eos)."""
+        self.lm, self.eos = lm, eos
+        self._text = [p or "" for p in pieces]
+        self._starts = torch.tensor([bool(p) and p.startswith(SPACE) for p in pieces])
+
+    @classmethod
+    def for_tokenizer(cls, lm: NgramLM, tokenizer: Tokenizer) -> WordLMScorer:
+        """The scorer for `tokenizer`'s pieces (ids 2 .. vocab_size - 2 spell text, as asr.lexicon reads them)."""
+        size = tokenizer.vocab_size
+        return cls(lm, [tokenizer.piece(t) if 2 <= t < size - 1 else None for t in range(size)], eos=tokenizer.eos)
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> _State:
+        rows = memory.size(0) * group
+        self._starts = self._starts.to(memory.device)
+        return [(BOS,)] * rows, [""] * rows
+
+    def _ln(self, context: tuple[str, ...], word: str) -> float:
+        return self.lm.log10_prob(context, word) * _LN10
+
+    def score_partial(self, state: _State, candidates: torch.Tensor) -> tuple[torch.Tensor, _State]:
+        history, spelling = state
+        ends = torch.tensor([self._ln(context, word) if word else 0.0 for context, word in zip(history, spelling)],
+                            device=candidates.device)  # (R,): the word being spelled, ended
+        return torch.where(self._starts[candidates], ends[:, None], 0.0), state  # eos: final_score
+
+    def select_state(self, state: _State, selection: Selection) -> _State:
+        history, spelling = state
+        keep = max(self.lm.order - 1, 0)
+        new_history, new_spelling = [], []
+        for row, token in zip(selection.rows.tolist(), selection.tokens.tolist()):
+            context, word, piece = history[row], spelling[row], self._text[token]
+            if piece.startswith(SPACE):
+                if word:
+                    context = (*context, word)[-keep:] if keep else ()
+                word = piece[len(SPACE):]
+            else:
+                word += piece
+            new_history.append(context)
+            new_spelling.append(word)
+        return new_history, new_spelling
+
+    def final_score(self, state: _State) -> torch.Tensor:
+        """(R,): ending each hypothesis: its last word, if any, then </s>."""
+        ends = []
+        for context, word in zip(*state):
+            if word:
+                ends.append(self._ln(context, word) + self._ln((*context, word), EOS))
+            else:  # nothing spelled since the last word (or at all)
+                ends.append(self._ln(context, EOS))
+        return torch.tensor(ends, device=self._starts.device)

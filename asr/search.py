@@ -22,7 +22,8 @@ times the length it was trained on rather than at one token per encoder frame. A
 there ends without being charged for an eos (as in ESPnet and in greedy search), so its terms are
 log P_att(y) and the CTC prefix probability of y. With a language model (SearchOptions.lm;
 Recognizer.decode) the beam's ended hypotheses are rescored by adding lm_weight * ln P_LM(words)
-to that score (asr.lm).
+to that score (asr.lm); with SearchOptions.lm_fusion the same term is added inside the search,
+word by word, by a partial scorer (asr.lm.WordLMScorer).
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ class SearchOptions:
     lexicon: str = ""  # a word list (asr.lexicon): beam search writes only its words; "" = any text
     lm: str = ""  # an ARPA word n-gram model (asr.lm) rescoring the beam's ended hypotheses; "" = none
     lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words) (applied by Recognizer.decode)
+    lm_fusion: bool = False  # the LM scores each word inside the search as it ends (asr.lm.WordLMScorer)
+    # instead of rescoring the ended hypotheses
 
     def __post_init__(self) -> None:
         checks = (
@@ -81,6 +84,7 @@ class SearchOptions:
             ("lm", not self.lm or self.mode == "attention",
              f"applies to beam search (mode attention), not to mode {self.mode}"),
             ("lm_weight", math.isfinite(self.lm_weight) and self.lm_weight >= 0, "must be finite and >= 0"),
+            ("lm_fusion", not self.lm_fusion or bool(self.lm), "needs decoding.lm"),
         )
         for name, ok, reason in checks:
             if not ok:
@@ -450,22 +454,27 @@ def _nbest_lists(scores: torch.Tensor, tokens: torch.Tensor, nbest: int) -> list
 
 
 def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
-                options: SearchOptions, constraint: FullScorer | None = None) -> list[tuple[Hypothesis, ...]]:
+                options: SearchOptions, constraint: FullScorer | None = None,
+                lm: PartialScorer | None = None) -> list[tuple[Hypothesis, ...]]:
     """Joint CTC/attention beam search (attention only when options.ctc_weight == 0; blank is
     then an ordinary token of the decoder, as in greedy search, else never a candidate).
-    `constraint`: a FullScorer of 0 (allowed) or -inf (not) per token, e.g. asr.lexicon.LexiconScorer."""
+    `constraint`: a FullScorer of 0 (allowed) or -inf (not) per token, e.g. asr.lexicon.LexiconScorer;
+    `lm`: a word LM fused into the search with weight options.lm_weight (asr.lm.WordLMScorer)."""
     eos, weight = model.config.eos, options.ctc_weight
     partial: dict[str, PartialScorer] = {}
     if weight > 0:
         partial["ctc"] = CTCPrefixScorer(model.ctc_log_probs, eos=eos, blank=BLANK)
     excluded = (BLANK,) if partial else ()
     pre_beam = options.beam_size if not partial else int(options.pre_beam_ratio * options.beam_size)
+    if lm is not None:  # scores the pre-beam's candidates; does not widen it
+        partial["lm"] = lm
     limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
     full: dict[str, FullScorer] = {"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1)}
     if constraint is not None:
         full["constraint"] = constraint
     search = BeamSearch(
-        full=full, partial=partial, weights={"decoder": 1.0 - weight, "ctc": weight, "constraint": 1.0},
+        full=full, partial=partial,
+        weights={"decoder": 1.0 - weight, "ctc": weight, "constraint": 1.0, "lm": options.lm_weight},
         pre_beam="decoder", beam_size=options.beam_size,
         pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
         length_bonus=options.length_bonus, nbest=options.nbest, constraints=("constraint",) if constraint else (),
@@ -612,20 +621,25 @@ FEW_ROWS = 16
 
 @torch.no_grad()
 def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
-                  options: SearchOptions, constraint: FullScorer | None = None) -> list[tuple[Hypothesis, ...]]:
+                  options: SearchOptions, constraint: FullScorer | None = None,
+                  lm: PartialScorer | None = None) -> list[tuple[Hypothesis, ...]]:
     """The n-best (at most options.nbest, best first) of each utterance of an encoder output;
     without encoder frames (input shorter than the subsampling's receptive field), the empty
     hypothesis with score 0. `constraint` (beam search only): the compiled options.lexicon
-    (asr.lexicon.LexiconScorer; Recognizer.decode makes it), required when options.lexicon is set."""
+    (asr.lexicon.LexiconScorer; Recognizer.decode makes it), required when options.lexicon is set;
+    `lm` likewise the fused LM (asr.lm.WordLMScorer), required when options.lm_fusion is set."""
     if options.lexicon and constraint is None:
         raise ValueError(f"decoding.lexicon = {options.lexicon!r} needs its compiled constraint "
                          "(asr.lexicon.LexiconScorer; Recognizer.decode makes it)")
+    if options.lm_fusion and lm is None:
+        raise ValueError(f"decoding.lm_fusion with decoding.lm = {options.lm!r} needs its scorer "
+                         "(asr.lm.WordLMScorer; Recognizer.decode makes it)")
     if memory.size(1) == 0:
         return [(Hypothesis((), 0.0),) for _ in range(memory.size(0))]
     rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
     with _intra_op_threads(1 if rows <= FEW_ROWS and memory.device.type == "cpu" else None):
-        if options.lexicon:
-            return beam_search(model, memory, memory_lens, options, constraint)
+        if options.lexicon or options.lm_fusion:
+            return beam_search(model, memory, memory_lens, options, constraint, lm if options.lm_fusion else None)
         return SEARCHES[options.mode](model, memory, memory_lens, options)
 
 

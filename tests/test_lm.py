@@ -13,14 +13,15 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 from test_api import write_decode_files
 
 from asr.api import load_model
 from asr.audio import load_audio
 from asr.decode import DecodingConfig, decode_manifest
-from asr.lm import BOS, EOS, UNK, LMError, NgramLM, rescore, train_ngram
+from asr.lm import BOS, EOS, UNK, LMError, NgramLM, WordLMScorer, rescore, train_ngram
 from asr.metrics import normalize_text
-from asr.search import SearchOptions
+from asr.search import SearchOptions, Selection, decode_memory, length_limits, teacher_forced_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -228,6 +229,68 @@ def test_lm_options_are_validated():
         SearchOptions(mode="ctc_greedy", lm="lm.arpa")
     with pytest.raises(ValueError, match="decoding.lm_weight = -0.1 must be finite and >= 0"):
         SearchOptions(mode="attention", lm="lm.arpa", lm_weight=-0.1)
+    with pytest.raises(ValueError, match="decoding.lm_fusion = True needs decoding.lm"):
+        SearchOptions(mode="attention", lm_fusion=True)
+
+
+def test_the_fused_lm_adds_the_sentence_score_word_by_word():
+    """Scored token by token as a PartialScorer, a hypothesis that ends with eos gets exactly
+    lm.score(words), however its words are split into pieces (a bare separator piece included)."""
+    lm = train_ngram(CORPUS, 3)
+    pieces = [None, None, "\u2581WE", "\u2581W", "ILL", "\u2581", "GO", "\u2581COOK", "ED", None]
+    eos = len(pieces) - 1
+    scorer = WordLMScorer(lm, pieces, eos=eos)
+    for tokens, words in [([2, 3, 4, 5, 6], ["WE", "WILL", "GO"]), ([7, 8, 2], ["COOKED", "WE"]), ([], [])]:
+        state = scorer.init_state(torch.zeros(1, 3, 4), torch.tensor([3]), 2)  # 2 rows: row 1 is a bystander
+        total = 0.0
+        for token in [*tokens, eos]:
+            candidates = torch.tensor([[token, eos], [token, eos]])
+            scores, state = scorer.score_partial(state, candidates)
+            assert scores[0].tolist() == scores[1].tolist()  # rows in the same state score alike
+            assert scores[0, 1] == 0.0  # eos: ending is final_score's
+            if token == eos:
+                total += scorer.final_score(state)[0].item()
+            else:
+                total += scores[0, 0].item()
+                state = scorer.select_state(state, Selection.of(torch.tensor([1, 0]), torch.tensor([token, token]), 2))
+        assert total == pytest.approx(lm.score(words), abs=1e-5)
+
+
+def test_fused_decoding_scores_each_hypothesis_with_its_sentence_probability(files):
+    """Attention-only beam search with the LM fused: every hypothesis that ended with eos scores
+    its decoder score plus weight x ln P_LM(words, </s>) (one cut at the length limit is not
+    charged the decoder's eos); weight 0 decodes as without the LM; the LM changes choices."""
+    model, folder = files
+    recognizer, lm_file = load_model(model), str(folder / "lm.arpa")
+    lm = NgramLM.load(lm_file)
+    feats = [recognizer.feats(load_audio(folder / f"u{i}.wav")) for i in range(4)]
+    beam = dict(mode="attention", beam_size=6, ctc_weight=0.0, nbest=3, max_len_ratio=0.5)
+    plain = recognizer.decode(feats, SearchOptions(**beam))
+    same = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=0.0, lm_fusion=True))
+    assert [[h.tokens for h in n] for n in same] == [[h.tokens for h in n] for n in plain]
+    changed = checked = 0
+    for weight in (0.5, 3.0):
+        fused = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=weight, lm_fusion=True))
+        for f, nbest, p in zip(feats, fused, plain):
+            fused_best = nbest[0]
+            memory, memory_lens = recognizer.model.encoder(f[None], torch.tensor([f.size(0)]))
+            limit = int(length_limits(recognizer.model, memory_lens, 0.5, 2.0)[0])
+            nbest = [h for h in nbest if len(h.tokens) < limit]  # ended with eos
+            checked += len(nbest)
+            if not nbest:
+                continue
+            width = max(len(h.tokens) for h in nbest)
+            tokens = torch.tensor([[list(h.tokens) + [-1] * (width - len(h.tokens)) for h in nbest]])
+            decoder = teacher_forced_scores(recognizer.model, memory, memory_lens, tokens,
+                                            torch.tensor([[len(h.tokens) for h in nbest]]))[0]
+            for h, att in zip(nbest, decoder.tolist()):
+                words = normalize_text(recognizer.text(h.tokens)).split()
+                assert h.score == pytest.approx(att + weight * lm.score(words), abs=1e-4)
+            changed += fused_best.tokens != p[0].tokens
+    assert changed >= 1 and checked >= 8
+    with pytest.raises(ValueError, match="needs its scorer"):
+        decode_memory(recognizer.model, memory, memory_lens,
+                      SearchOptions(**beam, lm=lm_file, lm_weight=0.5, lm_fusion=True))
 
 
 # --- from the outside: asr lm / decode / transcribe -------------------------------------------
@@ -289,6 +352,17 @@ def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
     with_lm = [r.text for r in recognizer.transcribe(audio, beam_size=6, lm=lm_file, lm_weight=3.0)]
     assert [line.split("\t", 1)[1] for line in done.stdout.splitlines()] == with_lm
     assert with_lm != [r.text for r in recognizer.transcribe(audio, beam_size=6)]
+    # and --lm-fusion: the LM inside the search, as decoding.lm_fusion does in asr decode
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", str(model), "--beam-size", "6",
+                           "--lm", str(lm_file), "--lm-weight", "3", "--lm-fusion", *map(str, audio)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    fused = [r.text for r in recognizer.transcribe(audio, beam_size=6, lm=lm_file, lm_weight=3.0, lm_fusion=True)]
+    assert [line.split("\t", 1)[1] for line in done.stdout.splitlines()] == fused
+    feats = [recognizer.feats(load_audio(a)) for a in audio]
+    options = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, lm=str(lm_file), lm_weight=3.0,
+                            lm_fusion=True)
+    assert fused == [recognizer.text(n[0].tokens) for n in recognizer.decode(feats, options)]
 
 
 def test_a_replaced_lm_file_is_read_again(files, tmp_path):
@@ -316,7 +390,9 @@ def test_a_bad_lm_is_one_line_naming_the_file(files, tmp_path):
              missing),
             (["lm", "--out", str(tmp_path / "x.arpa")], "give --manifest"),
             (["transcribe", "--model", str(model), "--lm-weight", "0.5", str(folder / "u0.wav")],
-             "--lm-weight needs --lm")):
+             "--lm-weight needs --lm"),
+            (["transcribe", "--model", str(model), "--lm-fusion", str(folder / "u0.wav")],
+             "--lm-fusion needs --lm")):
         done = subprocess.run([sys.executable, "-m", "asr.cli", *args], capture_output=True, text=True)
         assert done.returncode != 0
         assert message in done.stderr.strip().splitlines()[-1], (args[0], done.stderr)

@@ -13,7 +13,9 @@ toolkit's way: upper-case letters, digits, apostrophes inside words and single s
 The recipe's training set replaces most template sentences by spliced ones (`splice_some`): runs
 of 2-5 words cut from several training sentences and joined, so that the model learns words and
 word pairs rather than whole frames; and a tenth of them by random words of the vocabulary
-(`random_words_some`), so that it does not hold on to the word pairs either.
+(`random_words_some`), so that it does not hold on to the word pairs either. A clause grammar
+(`clauses`) writes more English word sequences for the recipe's word LM (text only, no audio),
+kept out of the test frames as the training templates are.
 
     python recipes/synth/local/make_text.py --num 5 --split test --seed 1   # Kaldi-style lines
 """
