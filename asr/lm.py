@@ -303,7 +303,9 @@ def rescore(nbest: Sequence[tuple[Sequence[str], float]], lm: NgramLM, weight: f
     return [(i, score) for score, i in scored[:keep]]
 
 
-_State = tuple[list, list]  # WordLMScorer's: per row, the last words (a tuple) and the word being spelled
+# WordLMScorer's state: per row, the last words (a tuple) and the word being spelled; after
+# score_partial, also each row's ending score (R,) for final_score (None before)
+_State = tuple[list, list, "torch.Tensor | None"]
 
 
 class WordLMScorer:
@@ -314,7 +316,7 @@ class WordLMScorer:
     eos candidate and to a hypothesis cut at the length limit) scores that last word and
     ln P(</s> | ...). Summed over a hypothesis this is `lm.score(words)`, so fused and rescored
     scores are on one scale. The state holds, per row, the last order-1 words and the word
-    being spelled (Python lists: one LM look-up per row and step, cached by the LM)."""
+    being spelled (Python lists: at most two LM look-ups per row and step, cached by the LM)."""
 
     def __init__(self, lm: NgramLM, pieces: Sequence[str | None], eos: int) -> None:
         """pieces[t]: the text of token t (None: never spells anything: blank, unk, sos/eos)."""
@@ -331,22 +333,32 @@ class WordLMScorer:
     def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> _State:
         rows = memory.size(0) * group
         self._starts = self._starts.to(memory.device)
-        return [(BOS,)] * rows, [""] * rows
+        return [(BOS,)] * rows, [""] * rows, None
 
     def _ln(self, context: tuple[str, ...], word: str) -> float:
         return self.lm.log10_prob(context, word) * _LN10
 
     def score_partial(self, state: _State, candidates: torch.Tensor) -> tuple[torch.Tensor, _State]:
-        history, spelling = state
-        ends = torch.tensor([self._ln(context, word) if word else 0.0 for context, word in zip(history, spelling)],
-                            device=candidates.device)  # (R,): the word being spelled, ended
-        return torch.where(self._starts[candidates], ends[:, None], 0.0), state  # eos: final_score
+        """The word-end scores of the candidates; the state keeps each row's ending score (its last
+        word, if any, then </s>) for final_score, from the same look-ups."""
+        history, spelling, _ = state
+        word_end, sentence_end = [], []
+        for context, word in zip(history, spelling):
+            if word:
+                ended = self._ln(context, word)
+                word_end.append(ended)
+                sentence_end.append(ended + self._ln((*context, word), EOS))
+            else:  # nothing spelled since the last word (or at all)
+                word_end.append(0.0)
+                sentence_end.append(self._ln(context, EOS))
+        ends = torch.tensor([word_end, sentence_end], device=candidates.device)  # (2, R)
+        return torch.where(self._starts[candidates], ends[0, :, None], 0.0), (history, spelling, ends[1])
 
     def select_state(self, state: _State, selection: Selection) -> _State:
-        history, spelling = state
+        history, spelling, _ = state
         keep = max(self.lm.order - 1, 0)
         new_history, new_spelling = [], []
-        for row, token in zip(selection.rows.tolist(), selection.tokens.tolist()):
+        for row, token in zip(*torch.stack([selection.rows, selection.tokens]).tolist()):  # one host sync
             context, word, piece = history[row], spelling[row], self._text[token]
             if piece.startswith(SPACE):
                 if word:
@@ -356,14 +368,10 @@ class WordLMScorer:
                 word += piece
             new_history.append(context)
             new_spelling.append(word)
-        return new_history, new_spelling
+        return new_history, new_spelling, None
 
     def final_score(self, state: _State) -> torch.Tensor:
-        """(R,): ending each hypothesis: its last word, if any, then </s>."""
-        ends = []
-        for context, word in zip(*state):
-            if word:
-                ends.append(self._ln(context, word) + self._ln((*context, word), EOS))
-            else:  # nothing spelled since the last word (or at all)
-                ends.append(self._ln(context, EOS))
-        return torch.tensor(ends, device=self._starts.device)
+        """(R,): ending each hypothesis: its last word, if any, then </s> (score_partial found them)."""
+        if state[2] is None:
+            raise RuntimeError("WordLMScorer.final_score before score_partial")
+        return state[2]

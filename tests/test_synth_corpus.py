@@ -142,7 +142,6 @@ def test_lm_sentences_continue_the_training_stream_past_train_and_dev():
     assert synthesize.lm_sentences(num, seed=3, count=500, avoid=lm[:7]) == lm[7:]  # the test sentences
 
 
-
 def test_clauses_are_new_word_sequences_that_keep_out_of_the_test_frames():
     sentences = make_text.clauses(3000, seed=5)
     assert len(set(sentences)) == 3000 and sentences == make_text.clauses(3000, seed=5)
@@ -163,6 +162,7 @@ def test_clauses_are_new_word_sequences_that_keep_out_of_the_test_frames():
     for pair in [("WE", "WILL"), ("SHOULD", "HAVE"), ("IF", "IT"), ("HAVE", "YOU")]:
         assert pair in pairs
     assert len(pairs - template_pairs) > len(pairs) / 2
+
 
 @pytest.mark.parametrize("n, words", [
     (0, "ZERO"), (13, "THIRTEEN"), (40, "FORTY"), (99, "NINETY NINE"), (100, "ONE HUNDRED"),

@@ -946,7 +946,6 @@ def vocabulary() -> set[str]:
     return slot_words() | template_words("train") | template_words("test")
 
 
-
 # --- a clause grammar: more English word sequences for the word LM -------------------------------------
 #
 # The templates give the LM their frames only, and the test frames are new by design, so an LM of
@@ -1106,6 +1105,7 @@ def clauses(n: int, seed: int = 0, max_words: int = 16) -> list[str]:
         seen.add(sentence)
         out.append(sentence)
     return out
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

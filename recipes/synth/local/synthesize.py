@@ -113,10 +113,11 @@ LM_SENTENCES = 300_000
 # templates lack (WE WILL, SHOULD HAVE, IF IT), none sharing three words in a row with a test
 # template's literal words. Rescoring the 20-best of a run of the recipe before them (de8838a) at
 # weight 0.15, with the lexicon, errors over two draws of 200 utterances each (recipes/README.md,
-# round 11), without / with 100,000 of them: test-template sentences 216 -> 191, held-out spliced sentences 112 -> 112,
-# training-template sentences in the test accents 105 -> 104, held-out spliced sentences in the test
-# accents 255 -> 259, random words in the test / training accents 711 -> 713 and 405 -> 406
-# (300,000: 186, 112, 102, 265, 716, 407). ~10 s of generation and ~10 s of LM training.
+# round 11), without / with 100,000 of them: test-template sentences 216 -> 191, held-out spliced
+# sentences 112 -> 112, training-template sentences in the test accents 105 -> 104, held-out
+# spliced sentences in the test accents 255 -> 259, random words in the test / training accents
+# 711 -> 713 and 405 -> 406 (300,000: 186, 112, 102, 265, 716, 407). In fresh-clone runs of
+# 2026-12-01 stage 0 took ~8 s more and stage 1 up to ~10 s more.
 LM_CLAUSES = 100_000
 
 # speak_lib.h
