@@ -164,6 +164,7 @@ class Recognizer:
         lm: str | os.PathLike | None = None,
         lm_weight: float | None = None,
         lm_fusion: bool | None = None,
+        lm_word_bonus: float | None = None,
         raw: RawFormat | None = None,
         batch_size: int = 8,
         segmentation: SegmentOptions | None = None,
@@ -173,14 +174,15 @@ class Recognizer:
         PCM of that format. mode / beam_size / ctc_weight / length_bonus / lexicon (a word list:
         beam search writes only its words; asr.lexicon) / lm, lm_weight (an ARPA word n-gram model
         rescoring the beam; asr.lm) / lm_fusion (the LM inside the search instead; asr.lm.WordLMScorer)
-        override this recognizer's SearchOptions.
+        / lm_word_bonus (added per word with the LM) override this recognizer's SearchOptions.
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
         `batch_size` at a time.
         An input that cannot be read gives a Result with `error` set; the others go on."""
         segmentation = segmentation or SegmentOptions()
         overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus,
                      "lexicon": None if lexicon is None else os.fspath(lexicon),
-                     "lm": None if lm is None else os.fspath(lm), "lm_weight": lm_weight, "lm_fusion": lm_fusion}
+                     "lm": None if lm is None else os.fspath(lm), "lm_weight": lm_weight, "lm_fusion": lm_fusion,
+                     "lm_word_bonus": lm_word_bonus}
         options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
         if options.lexicon:  # a bad word list or LM fails here, before any audio is read
             self.lexicon(options.lexicon)
@@ -220,7 +222,8 @@ class Recognizer:
             constraint = LexiconScorer(self.lexicon(options.lexicon)) if options.lexicon else None
             lm = self.language_model(options.lm) if options.lm else None
             if lm is not None and options.lm_fusion:  # scored inside the search: nothing to rescore
-                fused = WordLMScorer.for_tokenizer(lm, self.tokenizer)
+                fused = WordLMScorer.for_tokenizer(lm, self.tokenizer, weight=options.lm_weight,
+                                                   word_bonus=options.lm_word_bonus)
                 for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options, constraint, fused)):
                     out[i] = nbest
                 return out
@@ -230,9 +233,11 @@ class Recognizer:
         return out
 
     def _rescore(self, nbest: tuple[Hypothesis, ...], lm: NgramLM, options: SearchOptions) -> tuple[Hypothesis, ...]:
-        """The best options.nbest of `nbest` after adding options.lm_weight * ln P_LM(words)."""
+        """The best options.nbest of `nbest` after adding options.lm_weight * ln P_LM(words) +
+        options.lm_word_bonus * len(words)."""
         words = [normalize_text(self.text(h.tokens)).split() for h in nbest]
-        best = rescore([(w, h.score) for w, h in zip(words, nbest)], lm, options.lm_weight, options.nbest)
+        best = rescore([(w, h.score) for w, h in zip(words, nbest)], lm, options.lm_weight, options.nbest,
+                       options.lm_word_bonus)
         return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
 
     def lexicon(self, path: str | os.PathLike) -> Lexicon:

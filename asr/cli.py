@@ -151,11 +151,14 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     raw = None
     if args.raw_rate:
         raw = RawFormat(sample_rate=args.raw_rate, subtype=args.raw_format, channels=args.raw_channels)
-    if (args.lm_weight is not None or args.lm_fusion) and not args.lm:
-        raise ValueError(f"{'--lm-weight' if args.lm_weight is not None else '--lm-fusion'} needs --lm LM.arpa")
+    given = [flag for flag, used in (("--lm-weight", args.lm_weight is not None), ("--lm-fusion", args.lm_fusion),
+                                     ("--lm-word-bonus", args.lm_word_bonus is not None)) if used]
+    if given and not args.lm:
+        raise ValueError(f"{given[0]} needs --lm LM.arpa")
     recognizer = load_model(args.model, device=args.device or "auto")
     results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, lexicon=args.lexicon,
-                                    lm=args.lm, lm_weight=args.lm_weight, lm_fusion=args.lm_fusion or None, raw=raw)
+                                    lm=args.lm, lm_weight=args.lm_weight, lm_fusion=args.lm_fusion or None,
+                                    lm_word_bonus=args.lm_word_bonus, raw=raw)
     sys.stdout.write(format_results(results, args.format))
     failed = [r for r in results if r.error is not None]
     for r in failed:
@@ -277,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm", metavar="LM.arpa", help="rescore the beam with this word n-gram model ('asr lm')")
     p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default 0.3)")
     p.add_argument("--lm-fusion", action="store_true", help="the LM inside the search, not rescoring")
+    p.add_argument("--lm-word-bonus", type=float, metavar="B",
+                   help="added per word with the LM, against its cost of each word (default 0)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",

@@ -61,6 +61,7 @@ class DecodingConfig:
     lm: str = ""  # an ARPA word n-gram model (`asr lm`) rescoring the beam's ended hypotheses (asr.lm)
     lm_weight: float = 0.3  # search score + lm_weight * ln P_LM(words)
     lm_fusion: bool = False  # the LM scores each word inside the search (asr.lm.WordLMScorer), not the ended beam
+    lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word (offsets the LM's cost of each word)
     batch_size: int = 32  # utterances per batch at most
     max_batch_seconds: float = 600.0  # padded seconds (longest x count) per batch at most
     num_workers: int = 2  # processes reading audio and computing features
@@ -77,7 +78,8 @@ class DecodingConfig:
         return SearchOptions(mode=self.mode, beam_size=self.beam_size, ctc_weight=self.ctc_weight,
                              length_bonus=self.length_bonus, max_len_ratio=self.max_len_ratio,
                              pre_beam_ratio=self.pre_beam_ratio, nbest=self.nbest, lexicon=self.lexicon,
-                             lm=self.lm, lm_weight=self.lm_weight, lm_fusion=self.lm_fusion)
+                             lm=self.lm, lm_weight=self.lm_weight, lm_fusion=self.lm_fusion,
+                             lm_word_bonus=self.lm_word_bonus)
 
 
 def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_values: Any) -> DecodingConfig:
@@ -117,6 +119,7 @@ def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathL
     if config.lm:
         lm = recognizer.language_model(config.lm)
         print(f"decode: LM {config.lm}: {lm.order}-gram, {lm.vocab_size} words, weight {config.lm_weight}"
+              + (f", word bonus {config.lm_word_bonus}" if config.lm_word_bonus else "")
               + (", fused into the search" if config.lm_fusion else ""),
               file=sys.stderr)
     out = Path(out_dir)

@@ -21,11 +21,13 @@ weight is its interpolation weight. Lower orders count distinct left contexts, n
 except for n-grams that begin with <s> (nothing precedes <s>), as KenLM does.
 
 Rescoring (Recognizer.decode, when decoding.lm is set): beam search returns its whole beam of
-ended hypotheses; each one's score becomes search score + lm_weight * ln P_LM(words, </s>); the
-best `nbest` of them, by that score, are the result. Fusion (decoding.lm_fusion, `WordLMScorer`):
-the LM scores each word inside the search, as the hypothesis ends it, so that a hypothesis the LM
+ended hypotheses; each one's score becomes search score + lm_weight * ln P_LM(words, </s>) +
+lm_word_bonus * len(words); the best `nbest` of them, by that score, are the result. The word
+bonus offsets what each word costs in ln P_LM, which otherwise favours hypotheses that drop words
+(Kaldi's word insertion penalty, negated). Fusion (decoding.lm_fusion, `WordLMScorer`): the LM
+scores each word inside the search, as the hypothesis ends it, so that a hypothesis the LM
 favours is kept in the beam rather than only re-ranked among those that survived; over a whole
-hypothesis it adds the same lm_weight * ln P_LM(words, </s>).
+hypothesis it adds the same lm_weight * ln P_LM(words, </s>) + lm_word_bonus * len(words).
 
     lm = train_ngram([t.split() for t in texts], order=3)
     lm.save("data/lm.arpa")
@@ -294,11 +296,11 @@ def _discount(adjusted: Counter[tuple[str, ...]]) -> float:
 
 
 def rescore(nbest: Sequence[tuple[Sequence[str], float]], lm: NgramLM, weight: float,
-            keep: int) -> list[tuple[int, float]]:
+            keep: int, word_bonus: float = 0.0) -> list[tuple[int, float]]:
     """The `keep` best of an n-best list of (words, search score) after adding weight * the LM's
-    natural-log sentence probability: (index into nbest, new score), best first. Ties keep the
-    search's order."""
-    scored = [(score + weight * lm.score(words), i) for i, (words, score) in enumerate(nbest)]
+    natural-log sentence probability + word_bonus per word: (index into nbest, new score), best
+    first. Ties keep the search's order."""
+    scored = [(score + weight * lm.score(words) + word_bonus * len(words), i) for i, (words, score) in enumerate(nbest)]
     scored.sort(key=lambda item: (-item[0], item[1]))
     return [(i, score) for score, i in scored[:keep]]
 
@@ -312,23 +314,28 @@ class WordLMScorer:
     """A word LM inside beam search (shallow fusion at word ends), as a PartialScorer
     (asr.search): a candidate token whose piece begins a new word (starts with the word separator,
     sentencepiece's "▁") ends the word the hypothesis was spelling, and scores
-    ln P(that word | the words before); other tokens score 0; ending (`final_score`, added to the
-    eos candidate and to a hypothesis cut at the length limit) scores that last word and
-    ln P(</s> | ...). Summed over a hypothesis this is `lm.score(words)`, so fused and rescored
-    scores are on one scale. The state holds, per row, the last order-1 words and the word
-    being spelled (Python lists: at most two LM look-ups per row and step, cached by the LM)."""
+    weight * ln P(that word | the words before) + word_bonus; other tokens score 0; ending
+    (`final_score`, added to the eos candidate and to a hypothesis cut at the length limit) scores
+    that last word likewise and weight * ln P(</s> | ...). Summed over a hypothesis this is
+    weight * lm.score(words) + word_bonus * len(words), what `rescore` adds, so fused and rescored
+    scores are on one scale (the search adds the scorer's output with weight 1). The state holds,
+    per row, the last order-1 words and the word being spelled (Python lists: at most two LM
+    look-ups per row and step, cached by the LM)."""
 
-    def __init__(self, lm: NgramLM, pieces: Sequence[str | None], eos: int) -> None:
+    def __init__(self, lm: NgramLM, pieces: Sequence[str | None], eos: int, *, weight: float = 1.0,
+                 word_bonus: float = 0.0) -> None:
         """pieces[t]: the text of token t (None: never spells anything: blank, unk, sos/eos)."""
-        self.lm, self.eos = lm, eos
+        self.lm, self.eos, self.weight, self.word_bonus = lm, eos, weight, word_bonus
         self._text = [p or "" for p in pieces]
         self._starts = torch.tensor([bool(p) and p.startswith(SPACE) for p in pieces])
 
     @classmethod
-    def for_tokenizer(cls, lm: NgramLM, tokenizer: Tokenizer) -> WordLMScorer:
+    def for_tokenizer(cls, lm: NgramLM, tokenizer: Tokenizer, *, weight: float = 1.0,
+                      word_bonus: float = 0.0) -> WordLMScorer:
         """The scorer for `tokenizer`'s pieces (ids 2 .. vocab_size - 2 spell text, as asr.lexicon reads them)."""
         size = tokenizer.vocab_size
-        return cls(lm, [tokenizer.piece(t) if 2 <= t < size - 1 else None for t in range(size)], eos=tokenizer.eos)
+        return cls(lm, [tokenizer.piece(t) if 2 <= t < size - 1 else None for t in range(size)], eos=tokenizer.eos,
+                   weight=weight, word_bonus=word_bonus)
 
     def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> _State:
         rows = memory.size(0) * group
@@ -336,7 +343,8 @@ class WordLMScorer:
         return [(BOS,)] * rows, [""] * rows, None
 
     def _ln(self, context: tuple[str, ...], word: str) -> float:
-        return self.lm.log10_prob(context, word) * _LN10
+        """weight * ln P(word | context)."""
+        return self.lm.log10_prob(context, word) * _LN10 * self.weight
 
     def score_partial(self, state: _State, candidates: torch.Tensor) -> tuple[torch.Tensor, _State]:
         """The word-end scores of the candidates; the state keeps each row's ending score (its last
@@ -345,7 +353,7 @@ class WordLMScorer:
         word_end, sentence_end = [], []
         for context, word in zip(history, spelling):
             if word:
-                ended = self._ln(context, word)
+                ended = self._ln(context, word) + self.word_bonus
                 word_end.append(ended)
                 sentence_end.append(ended + self._ln((*context, word), EOS))
             else:  # nothing spelled since the last word (or at all)

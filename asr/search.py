@@ -22,8 +22,8 @@ times the length it was trained on rather than at one token per encoder frame. A
 there ends without being charged for an eos (as in ESPnet and in greedy search), so its terms are
 log P_att(y) and the CTC prefix probability of y. With a language model (SearchOptions.lm;
 Recognizer.decode) the beam's ended hypotheses are rescored by adding lm_weight * ln P_LM(words)
-to that score (asr.lm); with SearchOptions.lm_fusion the same term is added inside the search,
-word by word, by a partial scorer (asr.lm.WordLMScorer).
++ lm_word_bonus * len(words) to that score (asr.lm); with SearchOptions.lm_fusion the same terms
+are added inside the search, word by word, by a partial scorer (asr.lm.WordLMScorer).
 """
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ class SearchOptions:
     lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words) (applied by Recognizer.decode)
     lm_fusion: bool = False  # the LM scores each word inside the search as it ends (asr.lm.WordLMScorer)
     # instead of rescoring the ended hypotheses
+    lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word, beside lm_weight * ln P_LM(words)
+    # (each word costs -ln P of the LM, so without it the LM favours dropping words); unused without lm
 
     def __post_init__(self) -> None:
         checks = (
@@ -85,6 +87,7 @@ class SearchOptions:
              f"applies to beam search (mode attention), not to mode {self.mode}"),
             ("lm_weight", math.isfinite(self.lm_weight) and self.lm_weight >= 0, "must be finite and >= 0"),
             ("lm_fusion", not self.lm_fusion or bool(self.lm), "needs decoding.lm"),
+            ("lm_word_bonus", math.isfinite(self.lm_word_bonus), "must be finite"),
         )
         for name, ok, reason in checks:
             if not ok:
@@ -459,7 +462,8 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
     """Joint CTC/attention beam search (attention only when options.ctc_weight == 0; blank is
     then an ordinary token of the decoder, as in greedy search, else never a candidate).
     `constraint`: a FullScorer of 0 (allowed) or -inf (not) per token, e.g. asr.lexicon.LexiconScorer;
-    `lm`: a word LM fused into the search with weight options.lm_weight (asr.lm.WordLMScorer)."""
+    `lm`: a word LM fused into the search (asr.lm.WordLMScorer, which applies options.lm_weight and
+    options.lm_word_bonus itself)."""
     eos, weight = model.config.eos, options.ctc_weight
     partial: dict[str, PartialScorer] = {}
     if weight > 0:
@@ -474,7 +478,7 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
         full["constraint"] = constraint
     search = BeamSearch(
         full=full, partial=partial,
-        weights={"decoder": 1.0 - weight, "ctc": weight, "constraint": 1.0, "lm": options.lm_weight},
+        weights={"decoder": 1.0 - weight, "ctc": weight, "constraint": 1.0, "lm": 1.0},
         pre_beam="decoder", beam_size=options.beam_size,
         pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
         length_bonus=options.length_bonus, nbest=options.nbest, constraints=("constraint",) if constraint else (),

@@ -224,6 +224,19 @@ def test_rescore_orders_by_the_sum_and_keeps_ties_in_search_order():
     assert best[0][1] == pytest.approx(-1.5 + lm.score(["WE", "WILL", "COOK"]))
 
 
+def test_the_word_bonus_adds_per_word_and_can_keep_a_word_the_lm_would_drop():
+    lm = train_ngram(CORPUS, 3)
+    nbest = [(["WE", "COOK"], -1.0), (["WE", "WILL", "COOK"], -1.0)]
+    cost = lm.score(["WE", "COOK"]) - lm.score(["WE", "WILL", "COOK"])  # what WILL costs in ln P
+    assert [i for i, _ in rescore(nbest, lm, 1.0, 2)] == ([0, 1] if cost > 0 else [1, 0])
+    bonus = abs(cost) + 0.5  # enough to outweigh one word's cost either way
+    best = rescore(nbest, lm, 1.0, 2, word_bonus=bonus)
+    assert [i for i, _ in best] == [1, 0]
+    assert best[0][1] == pytest.approx(-1.0 + lm.score(["WE", "WILL", "COOK"]) + 3 * bonus)
+    assert best[1][1] == pytest.approx(-1.0 + lm.score(["WE", "COOK"]) + 2 * bonus)
+    assert rescore([([], -2.0)], lm, 0.5, 1, word_bonus=7.0) == [(0, pytest.approx(-2.0 + 0.5 * lm.score([])))]
+
+
 def test_lm_options_are_validated():
     with pytest.raises(ValueError, match="decoding.lm = 'lm.arpa' applies to beam search"):
         SearchOptions(mode="ctc_greedy", lm="lm.arpa")
@@ -231,15 +244,21 @@ def test_lm_options_are_validated():
         SearchOptions(mode="attention", lm="lm.arpa", lm_weight=-0.1)
     with pytest.raises(ValueError, match="decoding.lm_fusion = True needs decoding.lm"):
         SearchOptions(mode="attention", lm_fusion=True)
+    with pytest.raises(ValueError, match="decoding.lm_word_bonus = nan must be finite"):
+        SearchOptions(mode="attention", lm="lm.arpa", lm_word_bonus=float("nan"))
+    assert SearchOptions(mode="attention", lm="lm.arpa", lm_word_bonus=-0.5).lm_word_bonus == -0.5  # a penalty
+    assert SearchOptions(mode="attention", lm_word_bonus=1.0).lm == ""  # unused without an LM, as lm_weight
 
 
-def test_the_fused_lm_adds_the_sentence_score_word_by_word():
+@pytest.mark.parametrize("weight, bonus", [(1.0, 0.0), (0.4, 1.5)])
+def test_the_fused_lm_adds_the_sentence_score_word_by_word(weight, bonus):
     """Scored token by token as a PartialScorer, a hypothesis that ends with eos gets exactly
-    lm.score(words), however its words are split into pieces (a bare separator piece included)."""
+    weight * lm.score(words) + bonus * len(words), however its words are split into pieces (a bare
+    separator piece included): what rescoring adds."""
     lm = train_ngram(CORPUS, 3)
     pieces = [None, None, "\u2581WE", "\u2581W", "ILL", "\u2581", "GO", "\u2581COOK", "ED", None]
     eos = len(pieces) - 1
-    scorer = WordLMScorer(lm, pieces, eos=eos)
+    scorer = WordLMScorer(lm, pieces, eos=eos, weight=weight, word_bonus=bonus)
     for tokens, words in [([2, 3, 4, 5, 6], ["WE", "WILL", "GO"]), ([7, 8, 2], ["COOKED", "WE"]), ([], [])]:
         state = scorer.init_state(torch.zeros(1, 3, 4), torch.tensor([3]), 2)  # 2 rows: row 1 is a bystander
         total = 0.0
@@ -253,7 +272,9 @@ def test_the_fused_lm_adds_the_sentence_score_word_by_word():
             else:
                 total += scores[0, 0].item()
                 state = scorer.select_state(state, Selection.of(torch.tensor([1, 0]), torch.tensor([token, token]), 2))
-        assert total == pytest.approx(lm.score(words), abs=1e-5)
+        assert total == pytest.approx(weight * lm.score(words) + bonus * len(words), abs=1e-5)
+        expected = rescore([(words, 0.0)], lm, weight, 1, word_bonus=bonus)[0][1]
+        assert total == pytest.approx(expected, abs=1e-5)
 
 
 def test_fused_decoding_scores_each_hypothesis_with_its_sentence_probability(files):
@@ -269,8 +290,9 @@ def test_fused_decoding_scores_each_hypothesis_with_its_sentence_probability(fil
     same = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=0.0, lm_fusion=True))
     assert [[h.tokens for h in n] for n in same] == [[h.tokens for h in n] for n in plain]
     changed = checked = 0
-    for weight in (0.5, 3.0):
-        fused = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=weight, lm_fusion=True))
+    for weight, bonus in ((0.5, 0.0), (3.0, 0.0), (0.5, 2.0)):
+        fused = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=weight, lm_word_bonus=bonus,
+                                                       lm_fusion=True))
         for f, nbest, p in zip(feats, fused, plain):
             fused_best = nbest[0]
             memory, memory_lens = recognizer.model.encoder(f[None], torch.tensor([f.size(0)]))
@@ -285,7 +307,7 @@ def test_fused_decoding_scores_each_hypothesis_with_its_sentence_probability(fil
                                             torch.tensor([[len(h.tokens) for h in nbest]]))[0]
             for h, att in zip(nbest, decoder.tolist()):
                 words = normalize_text(recognizer.text(h.tokens)).split()
-                assert h.score == pytest.approx(att + weight * lm.score(words), abs=1e-4)
+                assert h.score == pytest.approx(att + weight * lm.score(words) + bonus * len(words), abs=1e-4)
             changed += fused_best.tokens != p[0].tokens
     assert changed >= 1 and checked >= 8
     with pytest.raises(ValueError, match="needs its scorer"):
@@ -314,12 +336,14 @@ def test_rescored_decoding_picks_the_best_sum_of_the_beam(files):
     beam = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=6)
     plain = recognizer.decode(feats, beam)
     changed = 0
-    for weight in (0.0, 0.5, 3.0):
+    for weight, bonus in ((0.0, 0.0), (0.5, 0.0), (3.0, 0.0), (0.5, 3.0)):
         rescored = recognizer.decode(feats, SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=2,
-                                                          lm=str(folder / "lm.arpa"), lm_weight=weight))
+                                                          lm=str(folder / "lm.arpa"), lm_weight=weight,
+                                                          lm_word_bonus=bonus))
         for nbest, found in zip(plain, rescored):
-            totals = sorted(((h.score + weight * lm.score(normalize_text(recognizer.text(h.tokens)).split()), -i)
-                             for i, h in enumerate(nbest)), reverse=True)[:2]
+            words = [normalize_text(recognizer.text(h.tokens)).split() for h in nbest]
+            totals = sorted(((h.score + weight * lm.score(w) + bonus * len(w), -i)
+                             for i, (h, w) in enumerate(zip(nbest, words))), reverse=True)[:2]
             assert [h.tokens for h in found] == [nbest[-i].tokens for _, i in totals]
             assert [h.score for h in found] == pytest.approx([t for t, _ in totals], abs=1e-6)
             changed += weight > 0 and found[0].tokens != nbest[0].tokens
@@ -363,6 +387,14 @@ def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
     options = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, lm=str(lm_file), lm_weight=3.0,
                             lm_fusion=True)
     assert fused == [recognizer.text(n[0].tokens) for n in recognizer.decode(feats, options)]
+    # and --lm-word-bonus (a large bonus, so that the choice moves)
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", str(model), "--beam-size", "6",
+                           "--lm", str(lm_file), "--lm-weight", "3", "--lm-word-bonus", "20", *map(str, audio)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    longer = [r.text for r in recognizer.transcribe(audio, beam_size=6, lm=lm_file, lm_weight=3.0, lm_word_bonus=20.0)]
+    assert [line.split("\t", 1)[1] for line in done.stdout.splitlines()] == longer
+    assert longer != with_lm
 
 
 def test_a_replaced_lm_file_is_read_again(files, tmp_path):
@@ -392,7 +424,11 @@ def test_a_bad_lm_is_one_line_naming_the_file(files, tmp_path):
             (["transcribe", "--model", str(model), "--lm-weight", "0.5", str(folder / "u0.wav")],
              "--lm-weight needs --lm"),
             (["transcribe", "--model", str(model), "--lm-fusion", str(folder / "u0.wav")],
-             "--lm-fusion needs --lm")):
+             "--lm-fusion needs --lm"),
+            (["transcribe", "--model", str(model), "--lm-word-bonus", "1", str(folder / "u0.wav")],
+             "--lm-word-bonus needs --lm"),
+            (["decode", "--model", str(model), "--manifest", str(folder / "test.jsonl"), "--out-dir",
+              str(tmp_path / "d"), "decoding.lm_word_bonus=.nan"], "decoding.lm_word_bonus = nan must be finite")):
         done = subprocess.run([sys.executable, "-m", "asr.cli", *args], capture_output=True, text=True)
         assert done.returncode != 0
         assert message in done.stderr.strip().splitlines()[-1], (args[0], done.stderr)

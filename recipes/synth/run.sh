@@ -123,7 +123,7 @@ run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by las
 # The test sentences use the training vocabulary (new sentences, not new words), so the recipe's
 # result decodes with the training words as a closed lexicon (asr.lexicon: every hypothesis is a
 # sequence of those words) and rescores the beam with stage 1's word LM
-# (conf/decode/synth.yaml: lm_weight); decode_test_nolm is the lexicon alone, decode_test_open
+# (conf/decode/synth.yaml: lm_weight, lm_word_bonus); decode_test_nolm is the lexicon alone, decode_test_open
 # the search with neither.
 decode() {
   local name extra
@@ -154,11 +154,13 @@ for path, what in zip(sys.argv[1:], whats):
 PY
   first=$(head -1 "$data/test.jsonl" | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
   echo "transcribing ${first%% |*} (reference: ${first#*| })"
-  lm_weight=$(python -c 'import sys
+  # the search of stage 5's result (conf/decode/synth.yaml)
+  read -r beam lm_weight word_bonus < <(python -c 'import sys
 from asr.decode import load_decoding_config
-print(load_decoding_config(sys.argv[1]).lm_weight)' "$root/conf/decode/synth.yaml")
-  asr transcribe --model "$exp/model_avg.pt" --lexicon "$data/words.txt" --lm "$data/lm.arpa" \
-    --lm-weight "$lm_weight" "$data/${first%% |*}"
+c = load_decoding_config(sys.argv[1])
+print(c.beam_size, c.lm_weight, c.lm_word_bonus)' "$root/conf/decode/synth.yaml")
+  asr transcribe --model "$exp/model_avg.pt" --beam-size "$beam" --lexicon "$data/words.txt" --lm "$data/lm.arpa" \
+    --lm-weight "$lm_weight" --lm-word-bonus "$word_bonus" "$data/${first%% |*}"
 }
 run_stage 6 "results" results
 say "finished: stages $stage-$((stop_stage < 6 ? stop_stage : 6)) in $SECONDS s"
