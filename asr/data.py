@@ -927,6 +927,18 @@ def collate(
 # CMVN statistics
 
 
+# Utterances a loader worker of compute_cmvn hands over at a time, their features as numpy arrays:
+# pickled by value through the worker's pipe. A tensor would go as a shared-memory file descriptor,
+# one connection and handshake each (~1.5 ms in the main process, which had become the bottleneck:
+# `asr cmvn --dump-feats` of 4,000 synth utterances with 2 workers took 13.3-13.7 s, now 7.1-8.9 s,
+# the same output).
+_CMVN_CHUNK = 32
+
+
+def _features_as_numpy(items: list[Example | Skipped]) -> list[Example | Skipped]:
+    return [item._replace(feats=item.feats.numpy()) if isinstance(item, Example) else item for item in items]
+
+
 def compute_cmvn(utts: Sequence[Utterance], features: FeatureConfig, *, num_workers: int = 0,
                  dump_dir: str | os.PathLike | None = None) -> CMVNStats:
     """Global CMVN statistics of the fbank features (no dither) of `utts`. An utterance that
@@ -935,18 +947,21 @@ def compute_cmvn(utts: Sequence[Utterance], features: FeatureConfig, *, num_work
     are also written there as a FeatureArchive (float16), for training to read instead of decoding
     and computing them every epoch."""
     dataset = ASRDataset(utts, None, features=features)
-    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, collate_fn=_identity)
+    chunks = [range(i, min(i + _CMVN_CHUNK, len(utts))) for i in range(0, len(utts), _CMVN_CHUNK)]
+    loader = DataLoader(dataset, batch_sampler=chunks, num_workers=num_workers, collate_fn=_features_as_numpy)
     stats, skipped = CMVNStats(), 0
     writer = _ArchiveWriter(Path(dump_dir), features, dataset) if dump_dir is not None else None
     with writer or nullcontext():
-        for index, item in enumerate(loader):
-            if isinstance(item, Skipped):
-                logger.warning("%s: %s; skipped", item.id, item.reason)
-                skipped += 1
-            else:
-                stats.add(item.feats)
-                if writer:
-                    writer.add(index, item.feats)
+        for indices, items in zip(chunks, loader):
+            for index, item in zip(indices, items):
+                if isinstance(item, Skipped):
+                    logger.warning("%s: %s; skipped", item.id, item.reason)
+                    skipped += 1
+                else:
+                    feats = torch.from_numpy(item.feats)
+                    stats.add(feats)
+                    if writer:
+                        writer.add(index, feats)
     logger.info("cmvn: %d utterances, %d frames, %d skipped", len(utts) - skipped, int(stats.count), skipped)
     return stats
 

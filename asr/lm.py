@@ -44,6 +44,7 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, TextIO
 
 import torch
@@ -246,11 +247,11 @@ def train_ngram(sentences: Iterable[Sequence[str]], order: int = 3) -> NgramLM:
     if order < 1:
         raise LMError(f"order {order}: must be at least 1")
     counts: list[Counter[tuple[str, ...]]] = [Counter() for _ in range(order)]  # [k - 1]: raw k-gram counts
-    for words in sentences:
-        seq = (BOS, *words, EOS)
-        for i in range(1, len(seq)):
-            for k in range(1, min(order, i + 1) + 1):
-                counts[k - 1][seq[i - k + 1:i + 1]] += 1
+    seqs = [(BOS, *words, EOS) for words in sentences]
+    # every k-gram of <s> words </s> but the unigram <s>, counted in Counter's C loop
+    counts[0].update(chain.from_iterable(zip(seq[1:]) for seq in seqs))
+    for k in range(2, order + 1):
+        counts[k - 1].update(chain.from_iterable(zip(*(seq[j:] for j in range(k))) for seq in seqs))
     if all(w == EOS for (w,) in counts[0]):
         raise LMError("no words to train a language model on")
     # adjusted counts: raw for the highest order and for n-grams that begin with <s>; otherwise the

@@ -72,3 +72,22 @@ def test_a_bad_override_stops_before_any_stage(tmp_path):
     assert done.returncode != 0
     assert "stage 1" not in done.stdout
     assert "tokenizer" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_ablation_decodes_only_with_their_flag(tmp_path):
+    """Stages 0-6 on a tiny corpus: stage 5 decodes the recipe's result alone; --ablations adds
+    the lexicon-only and open-vocabulary decodes, and the table shows what was decoded."""
+    tiny = ["--config", str(ROOT / "conf" / "tiny.yaml"), "--nproc", "1", "training.epochs=2"]
+    out = run(tmp_path, *tiny)
+    exp = tmp_path / "exp"
+    assert json.loads((exp / "decode_test" / "wer.json").read_text())["utterances"] == 4
+    assert not (exp / "decode_test_nolm").exists() and not (exp / "decode_test_open").exists()
+    assert "not decoded: no " in out and "(--stage 5 --ablations)" in out
+    assert "stage 6 took" in out
+
+    out = run(tmp_path, "--stage", "5", "--ablations", *tiny)
+    assert "stage 3" not in out and "stage 5 took" in out
+    for name in ("decode_test", "decode_test_nolm", "decode_test_open"):
+        assert json.loads((exp / name / "wer.json").read_text())["utterances"] == 4
+    assert "not decoded" not in out

@@ -4,14 +4,15 @@
 #
 #   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
 #                             [--num-train N] [--num-dev N] [--num-test N] [--lm-sentences N]
-#                             [--lm-clauses N] [--config conf/synth.yaml]
+#                             [--lm-clauses N] [--config conf/synth.yaml] [--ablations]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 synthesize train/dev/test    1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
-#   4 average checkpoints          5 decode the test set: with the training words as the lexicon
-#                                    and the LM rescoring (the result), the lexicon alone, neither
+#   4 average checkpoints          5 decode the test set with the training words as the lexicon
+#                                    and the LM rescoring (the result); with --ablations also with
+#                                    the lexicon alone and with neither (--stage 5 --ablations later)
 #   6 results table and a transcription of one test file
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
@@ -25,7 +26,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
-lm_sentences=""; lm_clauses=""
+lm_sentences=""; lm_clauses=""; ablations=false
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
@@ -43,7 +44,8 @@ while [ $# -gt 0 ]; do
     --data-dir) data=$(abspath "$2"); shift 2;;
     --exp-dir) exp=$(abspath "$2"); shift 2;;
     --nproc) nproc=$2; shift 2;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    --ablations) ablations=true; shift;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
   esac
@@ -123,13 +125,14 @@ run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by las
 # The test sentences use the training vocabulary (new sentences, not new words), so the recipe's
 # result decodes with the training words as a closed lexicon (asr.lexicon: every hypothesis is a
 # sequence of those words) and rescores the beam with stage 1's word LM
-# (conf/decode/synth.yaml: lm_weight, lm_word_bonus); decode_test_nolm is the lexicon alone, decode_test_open
-# the search with neither.
+# (conf/decode/synth.yaml: lm_weight, lm_word_bonus). With --ablations, decode_test_nolm is the
+# lexicon alone and decode_test_open the search with neither (each ~30 s of a 2-core machine).
 decode() {
-  local name extra
+  local name extra names=(decode_test)
+  $ablations && names+=(decode_test_nolm decode_test_open)
   # an experiment whose stage 1 ran before stage 1 built the LM
   [ -f "$data/lm.arpa" ] || word_lm
-  for name in decode_test decode_test_nolm decode_test_open; do
+  for name in "${names[@]}"; do
     case $name in
       decode_test) extra=(decoding.lexicon="$data/words.txt" decoding.lm="$data/lm.arpa");;
       decode_test_nolm) extra=(decoding.lexicon="$data/words.txt");;
@@ -139,14 +142,14 @@ decode() {
       --config "$root/conf/decode/synth.yaml" "${extra[@]}"
   done
 }
-run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml; with the lexicon and the LM, the lexicon alone, neither)" decode
+run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml, the lexicon and the LM$($ablations && echo '; the lexicon alone; neither' || true))" decode
 results() {
   python - "$exp"/decode_test{,_nolm,_open}/wer.json <<'PY'
 import json, os, sys
 whats = ["training words as the lexicon, word LM", "training words as the lexicon", "open vocabulary"]
 for path, what in zip(sys.argv[1:], whats):
-    if not os.path.exists(path):  # decoded before stage 5 wrote it: rerun with --stage 5
-        print(f"| test set, {what} | not decoded: no {path} |")
+    if not os.path.exists(path):  # an ablation (--ablations), or stage 5 not run
+        print(f"| test set, {what} | not decoded: no {path} (--stage 5{' --ablations' if what != whats[0] else ''}) |")
         continue
     r = json.load(open(path))
     print(f"| test set (unseen sentences and accents), {what} | utterances {r['utterances']} "
