@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 import torch
 
+import asr.data
 from asr.data import (
     ASRDataLoader,
     ASRDataset,
@@ -464,6 +465,24 @@ def test_dumped_features_are_the_computed_ones(corpus, tokenizer, tmp_path, capl
         for b, utt_id in enumerate(batch.ids):
             want = read[[u.id for u in corpus].index(utt_id)].feats
             assert torch.equal(batch.feats[b, : batch.feat_lens[b]], want)
+
+
+def test_cmvn_chunks_keep_each_utterance_with_its_features(corpus, tmp_path, monkeypatch):
+    """Loader workers hand compute_cmvn its utterances in chunks: with good and bad utterances
+    across several chunk edges, each good one is archived under its own id with its own features,
+    and the statistics are those of one pass in this process."""
+    monkeypatch.setattr(asr.data, "_CMVN_CHUNK", 3)
+    mixed = [corpus[i] for i in (4, 0, 5, 6, 1, 2, 7, 3)]  # chunks: bad good bad | bad good good | bad good
+    stats = compute_cmvn(mixed, FEATURES, num_workers=2, dump_dir=tmp_path / "feats")
+    plain = compute_cmvn(corpus, FEATURES)
+    assert stats.count == plain.count
+    torch.testing.assert_close(stats.sum, plain.sum, rtol=1e-12, atol=0.0)  # another order of summation
+    archive = FeatureArchive(tmp_path / "feats", FEATURES)
+    read = ASRDataset(corpus[:4], None, features=FEATURES, training=True, archive=archive)
+    computed = ASRDataset(corpus[:4], None, features=FEATURES)
+    for i in range(4):
+        assert read[i].feats.shape == computed[i].feats.shape
+        torch.testing.assert_close(read[i].feats, computed[i].feats, atol=0.02, rtol=0.0)
 
 
 def test_archive_entries_of_changed_audio_are_computed_again(corpus, tmp_path):
