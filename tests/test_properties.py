@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from asr.data import ManifestError, Utterance, read_manifest, write_manifest
 from asr.metrics import normalize_text, score
-from asr.tokenizer import FIRST_TOKEN, UNK, train_tokenizer
+from asr.tokenizer import train_tokenizer
+from asr.tokens import FIRST_TOKEN, UNK
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
