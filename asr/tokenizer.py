@@ -1,7 +1,7 @@
 """Character and sentencepiece (BPE, unigram) tokenizers with the toolkit's token ids.
 
-Imports nothing of ours but asr.fileio (a standard-library helper).
-Ids (DESIGN.md, defined here only): BLANK = 0 (CTC), UNK = 1, real tokens from FIRST_TOKEN = 2,
+Imports nothing of ours but the leaves asr.tokens and asr.fileio.
+Ids (DESIGN.md, defined in asr.tokens): BLANK = 0 (CTC), UNK = 1, real tokens from FIRST_TOKEN = 2,
 sos = eos = vocab_size - 1. Text given to `encode` is already normalized (asr.metrics).
 """
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 import sentencepiece as spm
 
 from asr.fileio import atomic_open
+from asr.tokens import BLANK, FIRST_TOKEN, UNK, eos_id, sos_id
 
 __all__ = [
-    "BLANK",
+    "BLANK",  # BLANK, FIRST_TOKEN, UNK (defined in asr.tokens): temporary re-export: removed at integration
     "FIRST_TOKEN",
     "KINDS",
     "SPACE",
@@ -31,9 +32,6 @@ __all__ = [
     "train_tokenizer",
 ]
 
-BLANK = 0
-UNK = 1
-FIRST_TOKEN = 2
 SPACE = "\u2581"  # "▁", how the character tokenizer (like sentencepiece) writes the space
 KINDS = ("char", "bpe", "unigram")
 JSON_FILE = "tokenizer.json"
@@ -51,11 +49,11 @@ class Tokenizer:
 
     @property
     def sos(self) -> int:
-        return self.vocab_size - 1
+        return sos_id(self.vocab_size)
 
     @property
     def eos(self) -> int:
-        return self.vocab_size - 1
+        return eos_id(self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         """Ids in [FIRST_TOKEN, sos) for normalized `text`, UNK for unknown symbols."""
@@ -124,7 +122,7 @@ class CharTokenizer(Tokenizer):
             raise ValueError(f"char tokenizer: token {bad[0]!r} is not one character")
         if len(set(self.tokens)) != len(self.tokens):
             raise ValueError("char tokenizer: duplicate tokens")
-        super().__init__(len(self.tokens) + 3)
+        super().__init__(FIRST_TOKEN + len(self.tokens) + 1)  # blank, unk, the characters, sos/eos
         self._chars = [" " if t == SPACE else t for t in self.tokens]  # as they appear in text
         self._ids = {c: i for i, c in enumerate(self._chars, FIRST_TOKEN)}
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from asr.data import ManifestError, Utterance, read_manifest, write_manifest
 from asr.metrics import normalize_text, score
-from asr.tokenizer import FIRST_TOKEN, UNK, train_tokenizer
+from asr.tokenizer import train_tokenizer
+from asr.tokens import FIRST_TOKEN, UNK
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -165,3 +166,57 @@ def test_wer_counts_are_bounded(pairs):
     assert stats.wer == stats.errors / max(stats.words, 1) >= 0.0
     assert 0.0 <= stats.cer and stats.char_errors <= sum(max(len(r), len(h)) for r, h in pairs)
 
+
+
+def levenshtein(ref: list[str] | str, hyp: list[str] | str) -> int:
+    """Edit distance (substitutions, deletions, insertions, each 1) by dynamic programming over
+    the prefixes: written here, independent of jiwer and of asr.metrics."""
+    previous = list(range(len(hyp) + 1))  # distance of ref[:0] to each hyp prefix
+    for i, r in enumerate(ref, 1):
+        current = [i]
+        for j, h in enumerate(hyp, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (r != h)))
+        previous = current
+    return previous[-1]
+
+
+def test_levenshtein_by_hand():
+    assert levenshtein("KITTEN", "SITTING") == 3 and levenshtein("", "ABC") == levenshtein("ABC", "") == 3
+    assert levenshtein("A B".split(), "A X B".split()) == 1 and levenshtein("AB CD", "AB  CD") == 1
+
+
+# already normalized: upper-case words of a small alphabet, so that words and characters repeat
+plain_sentences = st.lists(st.text(alphabet="ABC", min_size=1, max_size=3), max_size=8).map(" ".join)
+plain_corpora = st.lists(st.tuples(plain_sentences, plain_sentences), min_size=1, max_size=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plain_corpora)
+def test_wer_and_cer_equal_an_independent_edit_distance(pairs):
+    """Per utterance, S + D + I is the word edit distance and the alignment is a valid one of that
+    cost; over the corpus, WER = word distance / reference words and CER = character distance /
+    reference characters, the single spaces between words counted as characters (DESIGN.md)."""
+    refs, hyps = as_dicts(pairs)
+    report = score(refs, hyps)
+    for u, (ref, hyp) in zip(report.utterances, pairs):
+        assert (u.ref, u.hyp) == (ref, hyp)
+        assert u.errors == levenshtein(ref.split(), hyp.split()), (ref, hyp, u)
+        assert len(u.ops) - u.ops.count("I") == len(ref.split()) == u.words
+        assert len(u.ops) - u.ops.count("D") == len(hyp.split())
+        for op, r, h in zip(u.ops, *_aligned(ref.split(), hyp.split(), u.ops)):
+            assert (op == "C") == (r == h), (ref, hyp, u.ops)  # C pairs equal words, S different ones
+    stats = report.stats
+    word_errors = sum(levenshtein(r.split(), h.split()) for r, h in pairs)
+    char_errors = sum(levenshtein(r, h) for r, h in pairs)
+    words, chars = sum(len(r.split()) for r, _ in pairs), sum(len(r) for r, _ in pairs)
+    assert (stats.errors, stats.words, stats.char_errors, stats.chars) == (word_errors, words, char_errors, chars)
+    assert stats.wer == pytest.approx(word_errors / max(words, 1))
+    assert stats.cer == pytest.approx(char_errors / max(chars, 1))
+
+
+def _aligned(ref: list[str], hyp: list[str], ops: str) -> tuple[list[str | None], list[str | None]]:
+    """The words of each alignment column (None in a gap)."""
+    ref_iter, hyp_iter = iter(ref), iter(hyp)
+    refs = [None if op == "I" else next(ref_iter) for op in ops]
+    hyps = [None if op == "D" else next(hyp_iter) for op in ops]
+    return refs, hyps

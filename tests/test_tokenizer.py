@@ -8,16 +8,14 @@ import torch
 
 from asr.metrics import normalize_text
 from asr.tokenizer import (
-    BLANK,
-    FIRST_TOKEN,
     SPACE,
-    UNK,
     CharTokenizer,
     SentencePieceTokenizer,
     load_tokenizer,
     tokenizer_from_dict,
     train_tokenizer,
 )
+from asr.tokens import BLANK, FIRST_TOKEN, MIN_VOCAB, UNK, eos_id, real_tokens, sos_id
 
 RAW = [
     "He hoped there would be stew for dinner, turnips and carrots and bruised potatoes.",
@@ -41,8 +39,9 @@ def tokenizer(request):
 
 def test_special_ids(tokenizer):
     V = tokenizer.vocab_size
-    assert (BLANK, UNK, FIRST_TOKEN) == (0, 1, 2)
-    assert tokenizer.sos == tokenizer.eos == V - 1
+    assert (BLANK, UNK, FIRST_TOKEN) == (0, 1, 2) and MIN_VOCAB == 4  # DESIGN.md
+    assert tokenizer.sos == tokenizer.eos == sos_id(V) == eos_id(V) == V - 1
+    assert list(real_tokens(V)) == list(range(2, V - 1))
     assert tokenizer.piece(BLANK) == "<blank>" and tokenizer.piece(UNK) == "<unk>"
     assert tokenizer.piece(V - 1) == "<sos/eos>"
     with pytest.raises(ValueError, match="outside"):

@@ -35,9 +35,10 @@ from asr.config import from_dict
 from asr.model import ASRModel, ModelConfig, build_model
 from asr.model.decoder import DecoderCache
 from asr.model.subsampling import LAYERS, conv_output_length
+from asr.tokens import FIRST_TOKEN, sos_id
 
 ROOT = Path(__file__).resolve().parents[1]
-FRAMES_PER_SECOND = 100
+FRAMES_PER_SECOND = 100  # feature frames per second: the default frontend's 10 ms frames
 
 
 def load(path: Path) -> tuple[ModelConfig, float]:
@@ -70,7 +71,7 @@ def bench_training(model: ASRModel, rate: float, *, batch: int, seconds: float, 
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(batch, frames, model.config.n_mels, generator=g).to(device)
     feat_lens = torch.full((batch,), frames, device=device)
-    targets = torch.randint(2, model.config.vocab_size - 1, (batch, tokens), generator=g).to(device)
+    targets = torch.randint(FIRST_TOKEN, sos_id(model.config.vocab_size), (batch, tokens), generator=g).to(device)
     target_lens = torch.full((batch,), tokens, device=device)
     model.train()
     times = []

@@ -1,6 +1,7 @@
 """The network: conv2d subsampling, transformer encoder, cached transformer decoder, CTC head.
 
-Network math only: no I/O, no decoding policy, nothing imported from the rest of `asr`.
+Network math only: no I/O, no decoding policy, nothing imported from the rest of `asr` but the
+token ids of the leaf `asr.tokens`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """ModelConfig and ASRModel: encoder, attention decoder and CTC head trained with the joint loss.
 
-Token ids (DESIGN.md): blank 0, unk 1, real tokens from 2, sos = eos = V - 1, target padding -1.
+Token ids (DESIGN.md, defined in asr.tokens): blank 0, unk 1, real tokens from 2, sos = eos = V - 1,
+target padding -1.
 """
 from __future__ import annotations
 
@@ -16,15 +17,13 @@ from asr.model.attention import MultiHeadAttention
 from asr.model.decoder import TransformerDecoder
 from asr.model.encoder import TransformerEncoder
 from asr.model.subsampling import RATES, conv_output_length
+from asr.tokens import BLANK, IGNORE_ID, MIN_VOCAB, eos_id, sos_id
 
 __all__ = [
     "ASRModel", "ModelConfig", "ModelOutput", "build_model", "check_ctc_feasible", "count_parameters",
     "ctc_feasible", "smoothed_cross_entropy",
 ]
 
-BLANK = 0
-MIN_VOCAB = 4  # blank, unk, one real token, sos/eos
-FRAME_SHIFT_MS = 10.0  # of the filterbank frames the model is fed
 CTC_MARGIN = 1.25  # headroom of the encoder frame rate over the mean token rate (see check_ctc_feasible)
 
 
@@ -50,6 +49,8 @@ class ModelConfig:
     tie_embeddings: bool = False  # share the decoder's embedding and output projection matrix
     tokens_per_second: float = 0.0  # mean target rate of the training data (tokens / seconds of audio);
     # 0 = unknown; build_model takes it from the trainer (search caps output lengths with it)
+    frame_shift_ms: float = 10.0  # of the feature frames the model is fed: the frontend's
+    # (FeatureConfig.frame_shift_ms, set by the trainer); model files without it are 10 ms ones
 
     def __post_init__(self) -> None:
         positive = ("n_mels", "conv_channels", "d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_layers")
@@ -68,19 +69,20 @@ class ModelConfig:
         _require(self, "conv_kernel", self.conv_kernel == 0 or (self.conv_kernel > 0 and self.conv_kernel % 2 == 1),
                  "must be 0 (no convolution block) or odd")
         _require(self, "tokens_per_second", self.tokens_per_second >= 0.0, "must be 0 (unknown) or positive")
+        _require(self, "frame_shift_ms", self.frame_shift_ms > 0.0, "must be positive")
 
     @property
     def sos(self) -> int:
-        return self.vocab_size - 1
+        return sos_id(self.vocab_size)
 
     @property
     def eos(self) -> int:
-        return self.vocab_size - 1
+        return eos_id(self.vocab_size)
 
     @property
     def frames_per_second(self) -> float:
         """Encoder frames per second of audio."""
-        return 1000.0 / FRAME_SHIFT_MS / self.subsampling
+        return encoder_frame_rate(self.subsampling, self.frame_shift_ms)
 
 
 def _require(config: ModelConfig, name: str, ok: bool, reason: str) -> None:
@@ -100,16 +102,21 @@ class ModelOutput(NamedTuple):
     ctc_skipped: torch.Tensor  # (B,) bool, utterances left out of the CTC loss: labels + repeats > frames
 
 
-def check_ctc_feasible(subsampling: int, tokens_per_second: float, *, frame_shift_ms: float = FRAME_SHIFT_MS,
+def encoder_frame_rate(subsampling: int, frame_shift_ms: float) -> float:
+    """Encoder frames per second of audio: feature frames every `frame_shift_ms`, `subsampling` to one."""
+    return 1000.0 / frame_shift_ms / subsampling
+
+
+def check_ctc_feasible(subsampling: int, tokens_per_second: float, *, frame_shift_ms: float = 10.0,
                        margin: float = CTC_MARGIN) -> None:
     """Raise a one-line ValueError when `subsampling` leaves too few encoder frames for CTC.
 
     CTC needs a frame per label plus one per repeated label. `tokens_per_second` is the mean
     rate of the training targets (tokens / seconds of audio); fast speech and repeats run above
     the mean, so the frame rate must exceed it by `margin`. Characters (about 14 per second in
-    LibriSpeech) fail at 8x (12.5 frames per second) and pass at 4x (25).
+    LibriSpeech) fail at 8x (12.5 frames per second of 10 ms features) and pass at 4x (25).
     """
-    frames = 1000.0 / frame_shift_ms / subsampling
+    frames = encoder_frame_rate(subsampling, frame_shift_ms)
     if tokens_per_second * margin > frames:
         raise ValueError(
             f"{subsampling}x subsampling gives {frames:.1f} encoder frames per second, too few for CTC on "
@@ -218,11 +225,11 @@ class ASRModel(nn.Module):
         eos = self.config.eos
         sos_column = tokens.new_full((tokens.size(0), 1), self.config.sos)
         inputs = torch.cat([sos_column, tokens], dim=1)  # (B, L + 1): sos y1 .. yn [-1 ...]
-        padding = tokens.new_full((tokens.size(0), 1), -1)
+        padding = tokens.new_full((tokens.size(0), 1), IGNORE_ID)
         targets = torch.cat([tokens, padding], dim=1)  # (B, L + 1): y1 .. yn -1 [-1 ...]
         targets = targets.scatter(1, token_lens[:, None], eos)  # y1 .. yn eos [-1 ...]
         log_probs = self.decoder(inputs, token_lens + 1, h, h_lens)  # (B, L + 1, V)
-        valid = targets >= 0
+        valid = targets != IGNORE_ID
         log_probs, targets = log_probs[valid], targets[valid]  # (N, V), (N,)
         loss = smoothed_cross_entropy(log_probs, targets, self.config.lsm_weight).sum()
         correct = (log_probs.argmax(dim=-1) == targets).sum()
@@ -234,13 +241,14 @@ def build_model(config: ModelConfig, *, vocab_size: int | None = None,
     """The model of `config`, with `vocab_size` (the tokenizer's V) filled in when given.
 
     With `tokens_per_second` (mean target rate of the training data), a subsampling rate that
-    leaves CTC too few frames is refused with a one-line ValueError (see check_ctc_feasible), and
-    the rate is kept in the model's config (`model.config.tokens_per_second`, saved with it).
+    leaves CTC too few frames (of `config.frame_shift_ms` features) is refused with a one-line
+    ValueError (see check_ctc_feasible), and the rate is kept in the model's config
+    (`model.config.tokens_per_second`, saved with it).
     """
     if vocab_size is not None:
         config = dataclasses.replace(config, vocab_size=vocab_size)
     if tokens_per_second is not None:
-        check_ctc_feasible(config.subsampling, tokens_per_second)
+        check_ctc_feasible(config.subsampling, tokens_per_second, frame_shift_ms=config.frame_shift_ms)
         config = dataclasses.replace(config, tokens_per_second=tokens_per_second)
     return ASRModel(config)
 

@@ -883,9 +883,8 @@ def splice_some(sentences: Sequence[str], fraction: float, seed: int, avoid: Ite
     nor a repeat.
 
     Why: a model trained only on template sentences learns them as a language model and holds on
-    to them when a sentence follows a frame it never heard. The recipe's earlier model had 71% test
-    WER; on training-template sentences spoken in the test accents it had 20.6%, on test-template
-    sentences spoken in training accents 69.2%: the frames, not the accents, made the gap. Spliced
+    to them when a sentence follows a frame it never heard (the new frames, more than the new
+    accents, made the test errors of the recipe's first model: recipes/README.md). Spliced
     sentences keep the vocabulary and local word order but no whole frame.
     """
     if not 0.0 <= fraction <= 1.0:

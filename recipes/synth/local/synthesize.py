@@ -79,9 +79,7 @@ VOLUME = (50, 100)         # espeakVOLUME, percent (default 100; louder variants
 EDGE_SILENCE = (0.05, 0.3)  # seconds of silence added before and after the speech
 # Training only: each edge of a training utterance is left without silence with this probability,
 # so that the model hears speech that starts or stops at the first or last sample (tightly trimmed
-# audio). Without it, round 6's model read dev's 200 sentences spoken again without edge silence
-# at 10.9% WER against 2.2% with it (it lost first and last words); trained with it, 4.3% against
-# 2.0% (recipes/README.md, round 7).
+# audio): a model trained only on silent edges loses the first and last words of trimmed audio.
 TRIMMED_EDGE = 0.2
 # Background noise, white, at this signal-to-noise ratio (dB: RMS of the nonzero speech samples
 # over the noise RMS). eSpeak writes exact zeros between words and we add silent edges: 15-30% of
@@ -90,34 +88,22 @@ TRIMMED_EDGE = 0.2
 # model that never heard a noise floor meets one in every real file.
 NOISE_SNR_DB = (30.0, 50.0)
 # Training sentences replaced by spliced ones (runs of words from other training sentences, no
-# template frame; see make_text.splice_some). Beam-search WER on 200 held-out spliced sentences in
-# training accents after 6 minutes of training: 69.0% with none spliced, 53.7% with half, 45.2% with
-# 80%, 46.4% with all; on 200 sentences of the test templates in training accents: 70.5%, 67.2%,
-# 60.5%, 62.3%.
+# template frame; see make_text.splice_some), so that the model does not learn the templates as a
+# language model; 80% did better than half or all of them (recipes/README.md).
 SPLICED = 0.8
-# Training sentences then replaced by random words of the vocabulary (make_text.random_words_some).
-# From fresh-clone runs of the recipe, scored with the lexicon (none / 10% / 25%): 200 random-word
-# sentences in training accents 41.9% / 16.3% / 10.2%; held-out spliced sentences 4.0% / 4.0% /
-# 4.4%; training-template sentences in the test accents 8.0% / 8.2% / 9.2%; dev 2.5% / 2.6% / 3.3%.
-# A tenth buys most of the gain on new word orders without the cost on the training frames.
+# Training sentences then replaced by random words of the vocabulary (make_text.random_words_some):
+# new word orders for the acoustic model. A tenth buys most of the gain on new word orders without
+# the cost on the training frames that a quarter has.
 RANDOM_WORDS = 0.1
 # Sentences of the training templates written to lm_text.txt for the recipe's word LM (run.sh stage
 # 1, beside the training transcripts): the training stream continued past dev, so none is a
-# training, dev or test sentence. Rescoring 20-best lists of round 9's model (weight 0.1) on the
-# diagnostic sets (recipes/README.md, round 10), the transcripts alone against with these: held-out
-# spliced sentences 3.00% -> 2.52%, test-template sentences 4.82% -> 4.65%, training-template
-# sentences in the test accents 5.07% -> 4.81%, dev 1.35% -> 1.17%, spliced sentences in the test
-# accents 6.95% -> 6.77%. It adds ~6 s of generation and ~15 s of LM training.
+# training, dev or test sentence. More text than the transcripts alone lowers the LM-rescored WER
+# on every diagnostic set, for a few seconds of generation and LM training.
 LM_SENTENCES = 300_000
 # Sentences of make_text's clause grammar written to lm_text.txt after those: word sequences the
 # templates lack (WE WILL, SHOULD HAVE, IF IT), none sharing three words in a row with a test
-# template's literal words. Rescoring the 20-best of a run of the recipe before them (de8838a) at
-# weight 0.15, with the lexicon, errors over two draws of 200 utterances each (recipes/README.md,
-# round 11), without / with 100,000 of them: test-template sentences 216 -> 191, held-out spliced
-# sentences 112 -> 112, training-template sentences in the test accents 105 -> 104, held-out
-# spliced sentences in the test accents 255 -> 259, random words in the test / training accents
-# 711 -> 713 and 405 -> 406 (300,000: 186, 112, 102, 265, 716, 407). In fresh-clone runs of
-# 2026-12-01 stage 0 took ~8 s more and stage 1 up to ~10 s more.
+# template's literal words. They help most on the new sentence frames of the test set and cost
+# a few seconds in stages 0 and 1; 300,000 of them did no better overall.
 LM_CLAUSES = 100_000
 
 # speak_lib.h
