@@ -1,6 +1,8 @@
 """DurationBucketSampler: coverage, cap, determinism, resumption, sharding over ranks."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 import numpy as np
@@ -170,3 +172,72 @@ def test_properties(durations, cap, world, seed, epoch, buckets, shuffle):
     assert missing <= world - 1
     assert missing == 0 or all(len(b) == 1 for s in shards for b in s)
     assert shards[0] == list(shard(0))  # deterministic
+
+
+# ---------------------------------------------------------------------------------------------
+# The batches are those of the code before asr/data.py was split into modules (commit bf5fa68):
+# sha256 (first 16 hex digits) of the JSON of every rank's batches, epoch after epoch.
+
+
+def digest(batches: list) -> str:
+    return hashlib.sha256(json.dumps(batches, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def recorded_durations(kind: str) -> list[float]:
+    rng = np.random.default_rng(20261202)
+    if kind == "gamma2000":
+        return np.clip(rng.gamma(6.0, 2.0, 2000), 1.0, 35.0).round(3).tolist()
+    if kind == "ties300":  # many equal durations: the stable sort decides their order
+        return (rng.integers(2, 20, 300) / 2).tolist()
+    assert kind == "uniform37"
+    return rng.uniform(0.5, 30.0, 37).tolist()
+
+
+# (durations, max_batch_seconds, shuffle, seed, epochs, world size, num_buckets) -> digest
+SAMPLER_BATCHES = [
+    (("gamma2000", 200.0, True, 0, (0, 1, 7), 1, 30), "6092109432188e3e"),
+    (("gamma2000", 120.0, True, 3, (0, 5), 4, 30), "f983640a03131f79"),
+    (("gamma2000", 60.0, False, 0, (0, 2), 2, 30), "7d3e68e74acccf18"),
+    (("ties300", 40.0, True, 11, (0, 3), 3, 8), "5ee8c49ad84bd4e8"),
+    (("ties300", 40.0, False, 11, (0,), 3, 8), "6096b62d9782e76b"),
+    (("uniform37", 45.0, True, 5, (0, 1, 2), 2, 30), "633ffa0fdfd3b815"),
+    (("uniform37", 25.0, True, 9, (4,), 4, 1), "7812a2cf00601cd1"),  # some longer than the cap
+]
+
+
+@pytest.mark.parametrize("setting, expected", SAMPLER_BATCHES, ids=[str(s) for s, _ in SAMPLER_BATCHES])
+def test_training_batches_are_those_recorded(setting, expected):
+    kind, cap, shuffle, seed, epochs, world, buckets = setting
+    durations = recorded_durations(kind)
+    batches = [
+        list(DurationBucketSampler(durations, max_batch_seconds=cap, shuffle=shuffle, seed=seed, num_replicas=world,
+                                   rank=rank, num_buckets=buckets, epoch=epoch))
+        for epoch in epochs for rank in range(world)
+    ]
+    assert digest(batches) == expected
+
+
+# (durations, batch_size, max_seconds) -> digest of asr.decode.duration_batches
+DECODE_BATCHES = [
+    (("gamma2000", 16, 200.0), "92571eab8a4a5ad6"),
+    (("gamma2000", 1000, 300.0), "f13b73b5bf92cf6d"),
+    (("ties300", 5, 30.0), "08338e6072b92bb3"),
+    (("ties300", 1, 30.0), "7f54ad30d292c74f"),
+    (("uniform37", 4, 20.0), "79949b2bd2ef62d8"),  # some longer than max_seconds: alone
+]
+
+
+@pytest.mark.parametrize("setting, expected", DECODE_BATCHES, ids=[str(s) for s, _ in DECODE_BATCHES])
+def test_decoding_batches_are_those_recorded(setting, expected):
+    from asr.decode import duration_batches
+
+    kind, batch_size, max_seconds = setting
+    assert digest(duration_batches(recorded_durations(kind), batch_size, max_seconds)) == expected
+
+
+def test_decoding_batches_small_cases():
+    from asr.decode import duration_batches
+
+    durations = [3.0, 1.0, 2.0, 3.0, 0.5, 9.0, 1.0]
+    assert duration_batches(durations, 2, 6.0) == [[5], [0, 3], [2, 1], [6, 4]]
+    assert duration_batches(durations, 10, 6.0) == [[5], [0, 3], [2, 1, 6], [4]]
