@@ -1,4 +1,5 @@
-"""DurationBucketSampler: coverage, cap, determinism, resumption, sharding over ranks."""
+"""asr.sampler: DurationBucketSampler (coverage, cap, determinism, resumption, sharding over ranks) and
+the greedy cut it shares with decoding; both give the batches recorded before asr/data.py was split."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asr.data import DurationBucketSampler
+from asr.sampler import DurationBucketSampler, greedy_batches, longest_first
 
 
 def librispeech_like(n: int, seed: int = 0) -> list[float]:
@@ -104,7 +105,7 @@ def test_shards_are_disjoint_equal_and_complete(world, n):
 
 def test_drops_at_most_world_minus_one_batches_when_nothing_can_be_split(caplog):
     durations = [10.0] * 7  # one utterance per batch: 7 batches, nothing to split
-    with caplog.at_level(logging.WARNING, logger="asr.data"):
+    with caplog.at_level(logging.WARNING, logger="asr.sampler"):
         shards = [
             list(DurationBucketSampler(durations, max_batch_seconds=15.0, num_replicas=4, rank=r)) for r in range(4)
         ]
@@ -115,7 +116,7 @@ def test_drops_at_most_world_minus_one_batches_when_nothing_can_be_split(caplog)
 
 def test_longer_than_cap_filtered_and_logged(caplog):
     durations = [5.0, 50.0, 6.0, 70.0]
-    with caplog.at_level(logging.WARNING, logger="asr.data"):
+    with caplog.at_level(logging.WARNING, logger="asr.sampler"):
         sampler = DurationBucketSampler(durations, max_batch_seconds=20.0, ids=["a", "b", "c", "d"])
     assert sorted(flat(list(sampler))) == [0, 2]
     assert "2 utterances longer than the batch cap" in caplog.text and "b, d" in caplog.text
@@ -227,17 +228,36 @@ DECODE_BATCHES = [
 ]
 
 
+def decoding_batches(durations: list[float], batch_size: int, max_seconds: float) -> list[list[int]]:
+    """What asr.decode.duration_batches is: longest first, at most batch_size per batch."""
+    return greedy_batches(longest_first(durations), durations, max_seconds, max_count=batch_size)
+
+
 @pytest.mark.parametrize("setting, expected", DECODE_BATCHES, ids=[str(s) for s, _ in DECODE_BATCHES])
 def test_decoding_batches_are_those_recorded(setting, expected):
     from asr.decode import duration_batches
 
     kind, batch_size, max_seconds = setting
-    assert digest(duration_batches(recorded_durations(kind), batch_size, max_seconds)) == expected
+    durations = recorded_durations(kind)
+    assert digest(decoding_batches(durations, batch_size, max_seconds)) == expected
+    assert digest(duration_batches(durations, batch_size, max_seconds)) == expected
 
 
 def test_decoding_batches_small_cases():
     from asr.decode import duration_batches
 
     durations = [3.0, 1.0, 2.0, 3.0, 0.5, 9.0, 1.0]
-    assert duration_batches(durations, 2, 6.0) == [[5], [0, 3], [2, 1], [6, 4]]
-    assert duration_batches(durations, 10, 6.0) == [[5], [0, 3], [2, 1, 6], [4]]
+    for batches in (decoding_batches, duration_batches):
+        assert batches(durations, 2, 6.0) == [[5], [0, 3], [2, 1], [6, 4]]
+        assert batches(durations, 10, 6.0) == [[5], [0, 3], [2, 1, 6], [4]]
+        assert batches(durations, 0, 6.0) == [[5], [0], [3], [2], [1], [6], [4]]
+        assert batches([], 4, 6.0) == []
+
+
+def test_greedy_batches_keeps_the_given_order():
+    durations = [1.0, 4.0, 2.0, 2.0, 7.0, 0.5]
+    assert greedy_batches([5, 0, 2, 3, 1, 4], durations, 8.0) == [[5, 0, 2, 3], [1], [4]]
+    assert greedy_batches([5, 0, 2, 3, 1, 4], durations, 8.0, max_count=2) == [[5, 0], [2, 3], [1], [4]]
+    assert greedy_batches([4, 1], durations, 3.0) == [[4], [1]]  # each longer than the cap: alone
+    assert greedy_batches(np.array([], dtype=np.int64), np.array(durations), 8.0) == []
+    assert longest_first([1.0, 3.0, 2.0, 3.0]) == [1, 3, 2, 0]  # ties in index order
