@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from data_helpers import write_lines
@@ -187,3 +189,10 @@ def test_one_parser_one_message(tmp_path, line, reason):
     with pytest.raises(ManifestError) as text_only:
         read_transcripts(path)
     assert str(text_only.value) == str(full.value) and reason in str(full.value)
+
+
+def test_reading_a_manifest_does_not_import_torch():
+    """`asr wer`, `asr tokenizer` and `asr lm` read manifests without the cost of importing torch."""
+    code = "import sys, asr.manifest; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
