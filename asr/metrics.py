@@ -1,6 +1,7 @@
 """Text normalization, word and character error rates, alignments and confusions.
 
-Imports nothing of ours but asr.fileio (a standard-library helper).
+A leaf: imports nothing of ours (the REF / HYP files of `asr wer` are read by
+asr.manifest.read_transcripts).
 
 One normalization function (`normalize_text`) serves training text, `asr decode` and `asr wer`.
 Error rates are corpus-level (total errors over total reference words or characters) and come
@@ -8,17 +9,13 @@ from jiwer; utterances with an empty side are scored here, without jiwer.
 """
 from __future__ import annotations
 
-import json
 import re
 import unicodedata
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import jiwer
-
-from asr.fileio import TextFileError, numbered_lines, read_table
 
 __all__ = [
     "ErrorStats",
@@ -27,7 +24,6 @@ __all__ = [
     "format_errors",
     "format_summary",
     "normalize_text",
-    "read_transcripts",
     "score",
 ]
 
@@ -277,48 +273,9 @@ def format_errors(report: Report, top_confusions: int = 30) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------
-# reading transcripts
+def __getattr__(name: str):  # temporary re-export: removed at integration
+    if name == "read_transcripts":  # temporary re-export: removed at integration
+        from asr.manifest import read_transcripts  # temporary re-export: removed at integration
 
-
-def read_transcripts(path: str | Path) -> dict[str, str]:
-    """id -> text from a Kaldi-style text file ("ID WORDS", one per line; an id alone is an empty
-    transcript) or a JSON Lines manifest (suffix .jsonl, or first non-blank character "{"; uses
-    "id" and "text"). Texts are returned as written (score normalizes them). Blank lines are
-    skipped. A missing or non-UTF-8 file, a duplicate id or a malformed line raises ValueError
-    "path:line: reason" (asr.fileio.TextFileError; the Kaldi form is asr.fileio.read_table)."""
-    lines = numbered_lines(path)
-    first = next(lines, None)
-    if first is None:
-        return {}
-    if not (Path(path).suffix == ".jsonl" or first[1].startswith("{")):
-        return {uid: text for uid, (_, text) in read_table(path).items()}
-    out: dict[str, tuple[int, str]] = {}  # id -> (line, text)
-    for number, line in (first, *lines):
-        try:
-            uid, text = _manifest_line(line)
-        except (ValueError, TypeError) as e:
-            raise TextFileError(f"{path}:{number}: {e}") from None
-        if uid in out:
-            raise TextFileError(f"{path}:{number}: duplicate id {uid} (first on line {out[uid][0]})")
-        out[uid] = (number, text)
-    return {uid: text for uid, (_, text) in out.items()}
-
-
-def _manifest_line(line: str) -> tuple[str, str]:
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"bad JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise ValueError("bad JSON (nested too deeply)") from None
-    if not isinstance(item, dict):
-        raise TypeError("not a JSON object")
-    for key in ("id", "text"):
-        if not isinstance(item.get(key), str):
-            raise TypeError(f"no string {key!r}" if key not in item else f"{key!r} is not a string")
-        try:
-            item[key].encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{key!r} is not valid Unicode (a lone surrogate)") from None
-    return item["id"], item["text"]
+        return read_transcripts  # temporary re-export: removed at integration
+    raise AttributeError(f"module 'asr.metrics' has no attribute {name!r}")  # temporary: removed at integration

@@ -1,4 +1,5 @@
-"""Text normalization, WER / CER against hand-counted cases, alignments, reports, transcript files."""
+"""Text normalization, WER / CER against hand-counted cases, alignments, reports (the transcript
+files `asr wer` reads: tests/test_manifest.py)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ from asr.metrics import (
     format_errors,
     format_summary,
     normalize_text,
-    read_transcripts,
     score,
 )
 
@@ -227,53 +227,3 @@ def test_format_errors_worst_first():
     assert positions == sorted(positions)
     assert text.startswith("WER ") and "three: 3 errors / 3 words" in text
     assert "most frequent substitutions" in text and "A -> X" in text and text.endswith("\n")
-
-
-# ---------------------------------------------------------------------------------------------
-# read_transcripts
-
-
-def test_read_kaldi_text(tmp_path):
-    path = tmp_path / "text"
-    path.write_text("u1 A B C\nu2\n\nu3   hello, world \nu4\tTAB SEPARATED\r\n", encoding="utf-8")
-    assert read_transcripts(path) == {"u1": "A B C", "u2": "", "u3": "hello, world", "u4": "TAB SEPARATED"}
-
-
-def test_read_jsonl_manifest(tmp_path):
-    lines = [{"id": "a", "audio": "a.flac", "duration": 1.0, "text": "Hello"},
-             {"id": "b", "audio": "b.flac", "duration": 2.0, "text": ""}]
-    body = "\n".join(json.dumps(x) for x in lines) + "\n"
-    (tmp_path / "m.jsonl").write_text(body, encoding="utf-8")
-    (tmp_path / "m.txt").write_text("\n" + body, encoding="utf-8")  # detected by its first "{"
-    assert read_transcripts(tmp_path / "m.jsonl") == {"a": "Hello", "b": ""}
-    assert read_transcripts(tmp_path / "m.txt") == {"a": "Hello", "b": ""}
-
-
-@pytest.mark.parametrize("name, body, message", [
-    ("text", "u1 A\nu1 B\n", r"text:2: duplicate id u1 \(first on line 1\)"),
-    ("text", b"u1 A\nu2 \xff\n", r"text:2: not UTF-8 text"),
-    ("m.jsonl", '{"id": "u1", "text": "A"}\n{"id": "u1", "text": "B"}\n', r"m.jsonl:2: duplicate id u1"),
-    ("m.jsonl", '{"id": "u1", "text": "A"}\n{"id": "u2", "text": \n', r"m.jsonl:2: bad JSON"),
-    ("m.jsonl", '{"id": "u1"}\n', r"m.jsonl:1: no string 'text'"),
-    ("m.jsonl", '{"id": 7, "text": "A"}\n', r"m.jsonl:1: 'id' is not a string"),
-    ("m.jsonl", '["u1", "A"]\n', r"m.jsonl:1: not a JSON object"),
-])
-def test_read_transcripts_errors(tmp_path, name, body, message):
-    if isinstance(body, bytes):
-        (tmp_path / name).write_bytes(body)
-    else:
-        (tmp_path / name).write_text(body, encoding="utf-8")
-    with pytest.raises(ValueError, match=message):
-        read_transcripts(tmp_path / name)
-
-
-def test_read_transcripts_missing_file_is_one_line_value_error(tmp_path):
-    with pytest.raises(ValueError, match=r"absent: no such file$"):
-        read_transcripts(tmp_path / "absent")
-
-
-def test_read_then_score(tmp_path):
-    (tmp_path / "ref").write_text("u1 A B C D\nu2 HELLO WORLD\n")
-    (tmp_path / "hyp").write_text("u1 A X C\nu2 HELLO WORLD\n")
-    report = score(read_transcripts(tmp_path / "ref"), read_transcripts(tmp_path / "hyp"))
-    assert counts(report) == (1, 1, 0, 6)

@@ -1,6 +1,9 @@
-"""DurationBucketSampler: coverage, cap, determinism, resumption, sharding over ranks."""
+"""asr.sampler: DurationBucketSampler (coverage, cap, determinism, resumption, sharding over ranks) and
+the greedy cut it shares with decoding; both give the batches recorded before asr/data.py was split."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 import numpy as np
@@ -8,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asr.data import DurationBucketSampler
+from asr.sampler import DurationBucketSampler, greedy_batches, longest_first
 
 
 def librispeech_like(n: int, seed: int = 0) -> list[float]:
@@ -102,7 +105,7 @@ def test_shards_are_disjoint_equal_and_complete(world, n):
 
 def test_drops_at_most_world_minus_one_batches_when_nothing_can_be_split(caplog):
     durations = [10.0] * 7  # one utterance per batch: 7 batches, nothing to split
-    with caplog.at_level(logging.WARNING, logger="asr.data"):
+    with caplog.at_level(logging.WARNING, logger="asr.sampler"):
         shards = [
             list(DurationBucketSampler(durations, max_batch_seconds=15.0, num_replicas=4, rank=r)) for r in range(4)
         ]
@@ -113,7 +116,7 @@ def test_drops_at_most_world_minus_one_batches_when_nothing_can_be_split(caplog)
 
 def test_longer_than_cap_filtered_and_logged(caplog):
     durations = [5.0, 50.0, 6.0, 70.0]
-    with caplog.at_level(logging.WARNING, logger="asr.data"):
+    with caplog.at_level(logging.WARNING, logger="asr.sampler"):
         sampler = DurationBucketSampler(durations, max_batch_seconds=20.0, ids=["a", "b", "c", "d"])
     assert sorted(flat(list(sampler))) == [0, 2]
     assert "2 utterances longer than the batch cap" in caplog.text and "b, d" in caplog.text
@@ -170,3 +173,91 @@ def test_properties(durations, cap, world, seed, epoch, buckets, shuffle):
     assert missing <= world - 1
     assert missing == 0 or all(len(b) == 1 for s in shards for b in s)
     assert shards[0] == list(shard(0))  # deterministic
+
+
+# ---------------------------------------------------------------------------------------------
+# The batches are those of the code before asr/data.py was split into modules (commit bf5fa68):
+# sha256 (first 16 hex digits) of the JSON of every rank's batches, epoch after epoch.
+
+
+def digest(batches: list) -> str:
+    return hashlib.sha256(json.dumps(batches, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def recorded_durations(kind: str) -> list[float]:
+    rng = np.random.default_rng(20261202)
+    if kind == "gamma2000":
+        return np.clip(rng.gamma(6.0, 2.0, 2000), 1.0, 35.0).round(3).tolist()
+    if kind == "ties300":  # many equal durations: the stable sort decides their order
+        return (rng.integers(2, 20, 300) / 2).tolist()
+    assert kind == "uniform37"
+    return rng.uniform(0.5, 30.0, 37).tolist()
+
+
+# (durations, max_batch_seconds, shuffle, seed, epochs, world size, num_buckets) -> digest
+SAMPLER_BATCHES = [
+    (("gamma2000", 200.0, True, 0, (0, 1, 7), 1, 30), "6092109432188e3e"),
+    (("gamma2000", 120.0, True, 3, (0, 5), 4, 30), "f983640a03131f79"),
+    (("gamma2000", 60.0, False, 0, (0, 2), 2, 30), "7d3e68e74acccf18"),
+    (("ties300", 40.0, True, 11, (0, 3), 3, 8), "5ee8c49ad84bd4e8"),
+    (("ties300", 40.0, False, 11, (0,), 3, 8), "6096b62d9782e76b"),
+    (("uniform37", 45.0, True, 5, (0, 1, 2), 2, 30), "633ffa0fdfd3b815"),
+    (("uniform37", 25.0, True, 9, (4,), 4, 1), "7812a2cf00601cd1"),  # some longer than the cap
+]
+
+
+@pytest.mark.parametrize("setting, expected", SAMPLER_BATCHES, ids=[str(s) for s, _ in SAMPLER_BATCHES])
+def test_training_batches_are_those_recorded(setting, expected):
+    kind, cap, shuffle, seed, epochs, world, buckets = setting
+    durations = recorded_durations(kind)
+    batches = [
+        list(DurationBucketSampler(durations, max_batch_seconds=cap, shuffle=shuffle, seed=seed, num_replicas=world,
+                                   rank=rank, num_buckets=buckets, epoch=epoch))
+        for epoch in epochs for rank in range(world)
+    ]
+    assert digest(batches) == expected
+
+
+# (durations, batch_size, max_seconds) -> digest of asr.decode.duration_batches
+DECODE_BATCHES = [
+    (("gamma2000", 16, 200.0), "92571eab8a4a5ad6"),
+    (("gamma2000", 1000, 300.0), "f13b73b5bf92cf6d"),
+    (("ties300", 5, 30.0), "08338e6072b92bb3"),
+    (("ties300", 1, 30.0), "7f54ad30d292c74f"),
+    (("uniform37", 4, 20.0), "79949b2bd2ef62d8"),  # some longer than max_seconds: alone
+]
+
+
+def decoding_batches(durations: list[float], batch_size: int, max_seconds: float) -> list[list[int]]:
+    """What asr.decode.duration_batches is: longest first, at most batch_size per batch."""
+    return greedy_batches(longest_first(durations), durations, max_seconds, max_count=batch_size)
+
+
+@pytest.mark.parametrize("setting, expected", DECODE_BATCHES, ids=[str(s) for s, _ in DECODE_BATCHES])
+def test_decoding_batches_are_those_recorded(setting, expected):
+    from asr.decode import duration_batches
+
+    kind, batch_size, max_seconds = setting
+    durations = recorded_durations(kind)
+    assert digest(decoding_batches(durations, batch_size, max_seconds)) == expected
+    assert digest(duration_batches(durations, batch_size, max_seconds)) == expected
+
+
+def test_decoding_batches_small_cases():
+    from asr.decode import duration_batches
+
+    durations = [3.0, 1.0, 2.0, 3.0, 0.5, 9.0, 1.0]
+    for batches in (decoding_batches, duration_batches):
+        assert batches(durations, 2, 6.0) == [[5], [0, 3], [2, 1], [6, 4]]
+        assert batches(durations, 10, 6.0) == [[5], [0, 3], [2, 1, 6], [4]]
+        assert batches(durations, 0, 6.0) == [[5], [0], [3], [2], [1], [6], [4]]
+        assert batches([], 4, 6.0) == []
+
+
+def test_greedy_batches_keeps_the_given_order():
+    durations = [1.0, 4.0, 2.0, 2.0, 7.0, 0.5]
+    assert greedy_batches([5, 0, 2, 3, 1, 4], durations, 8.0) == [[5, 0, 2, 3], [1], [4]]
+    assert greedy_batches([5, 0, 2, 3, 1, 4], durations, 8.0, max_count=2) == [[5, 0], [2, 3], [1], [4]]
+    assert greedy_batches([4, 1], durations, 3.0) == [[4], [1]]  # each longer than the cap: alone
+    assert greedy_batches(np.array([], dtype=np.int64), np.array(durations), 8.0) == []
+    assert longest_first([1.0, 3.0, 2.0, 3.0]) == [1, 3, 2, 0]  # ties in index order

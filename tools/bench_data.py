@@ -13,7 +13,7 @@
    (kernel cached per rate pair), per call, for 1 s and 12 s inputs.
 4. Worker memory (Linux): the private memory a forked DataLoader worker adds by reading every
    utterance of a LibriSpeech-960-sized manifest (--lines, speed-perturbed x3) and running a
-   full garbage collection, for a list of Utterance objects (what the Dataset used to hold)
+   full garbage collection, for a plain list of Utterance objects
    versus ASRDataset's packed arrays; and the cost of the manifest list the trainer keeps in
    the parent, with and without the gc.freeze() of the loader's workers.
 Prints a table and writes JSON (targets: >= 1,000x real time per core; padding <= 5%).
@@ -36,8 +36,11 @@ import torch
 from torchaudio.compliance import kaldi
 
 from asr.audio import SAMPLE_RATE, load_audio, resample
-from asr.data import ASRDataset, DurationBucketSampler, Utterance, collate, speed_perturb
+from asr.corpora import speed_perturb
+from asr.dataset import ASRDataset, collate
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank
+from asr.manifest import Utterance
+from asr.sampler import DurationBucketSampler
 from asr.tokenizer import train_tokenizer
 
 TARGET_SPEED = 1000.0  # x real time per core
@@ -205,13 +208,13 @@ def forked_private_mb(work) -> float:
 def bench_worker_memory(lines: int) -> dict:
     """Copy-on-read cost per worker of the dataset's utterances, and of the parent's manifest list."""
     manifest = fake_manifest(lines)
-    held = {"utts": speed_perturb(manifest, (0.9, 1.1))}  # the list the old Dataset kept
+    held = {"utts": speed_perturb(manifest, (0.9, 1.1))}  # a plain list of Utterance objects
 
     def read_list() -> None:
         for u in held["utts"]:
             _ = (u.id, u.audio, u.text, u.duration, u.start, u.end, u.speed)
 
-    rows = {"list of Utterance (before)": forked_private_mb(read_list)}
+    rows = {"list of Utterance": forked_private_mb(read_list)}
     dataset = ASRDataset(held["utts"], None, features=FeatureConfig())
     n = len(held.pop("utts"))
     gc.collect()
@@ -222,8 +225,8 @@ def bench_worker_memory(lines: int) -> dict:
         for i in range(n):
             dataset.utterance(i)
 
-    rows["ASRDataset (after), worker gc.freeze()"] = forked_private_mb(lambda: read_dataset(True))
-    rows["ASRDataset (after), no gc.freeze()"] = forked_private_mb(lambda: read_dataset(False))
+    rows["ASRDataset, worker gc.freeze()"] = forked_private_mb(lambda: read_dataset(True))
+    rows["ASRDataset, no gc.freeze()"] = forked_private_mb(lambda: read_dataset(False))
     rows["  of which the parent's manifest list"] = forked_private_mb(lambda: None)
     return {"manifest_lines": lines, "utterances": n, "dataset_bytes": dataset._utts.nbytes,
             "worker_private_mb": rows, "manifest_kept": len(manifest)}

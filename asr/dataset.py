@@ -1,0 +1,252 @@
+"""The training Dataset (utterance -> features and tokens) and collate (Examples -> a padded Batch).
+
+A well-formed utterance whose audio cannot be used is returned as `Skipped(id, reason)`, never
+raised (DESIGN.md "Nothing is lost"); reporting it is the caller's. Training randomness (dither)
+comes from (seed, epoch, index) only, so that a resumed run sees the same features.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from asr.audio import SAMPLE_RATE, AudioError, load_audio
+from asr.feature_archive import FeatureArchive
+from asr.features import FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank, spec_augment
+from asr.manifest import LENGTH_TOLERANCE, Utterance
+from asr.metrics import normalize_text
+from asr.tokenizer import Tokenizer
+from asr.tokens import IGNORE_ID
+
+__all__ = ["ASRDataset", "Batch", "Example", "Skipped", "collate", "derive_seed", "split_skipped"]
+
+logger = logging.getLogger(__name__)
+
+
+class Example(NamedTuple):
+    """One loaded utterance."""
+
+    id: str
+    feats: torch.Tensor  # (T, D) float32, after CMVN when the dataset has one
+    tokens: torch.Tensor  # (L,) int64
+
+
+class Skipped(NamedTuple):
+    """An utterance that could not be used, with a one-line reason."""
+
+    id: str
+    reason: str
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from non-negative integer keys (e.g. seed, epoch, index); well mixed, so
+    neighbouring keys give unrelated streams."""
+    state = np.random.SeedSequence(list(keys)).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+class _PackedStrings:
+    """A read-only list of str kept as unique UTF-8 strings in one numpy byte array, offsets and
+    one int32 code per row: no Python object per row, so that a forked DataLoader worker reads
+    it without copying it (reading a list of str writes each one's reference count, dirtying
+    its page), and repeated values (the audio and text of speed-perturbed copies) stored once."""
+
+    def __init__(self, strings: Iterable[str]):
+        codes: dict[str, int] = {}
+        self._codes = np.array([codes.setdefault(x, len(codes)) for x in strings], dtype=np.int32)  # (N,)
+        encoded = [x.encode("utf-8") for x in codes]
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)  # (unique + 1,) byte offsets
+        np.cumsum([len(b) for b in encoded], out=self._offsets[1:])
+        self._bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._codes)
+
+    def __getitem__(self, index: int) -> str:
+        code = self._codes[index]
+        return self._bytes[self._offsets[code] : self._offsets[code + 1]].tobytes().decode("utf-8")
+
+    @property
+    def nbytes(self) -> int:
+        return self._codes.nbytes + self._offsets.nbytes + self._bytes.nbytes
+
+
+class _UtteranceTable:
+    """Utterances in numpy arrays (see _PackedStrings): id, audio and text packed, duration,
+    speed, start and end (NaN for None) as float64. `speaker` is not kept (loading needs none)."""
+
+    def __init__(self, utts: Sequence[Utterance]):
+        self.ids = _PackedStrings(u.id for u in utts)
+        self.audio = _PackedStrings(u.audio for u in utts)
+        self.text = _PackedStrings(u.text for u in utts)
+        self.duration = np.array([u.duration for u in utts], dtype=np.float64)  # (N,) seconds
+        self.speed = np.array([u.speed for u in utts], dtype=np.float64)  # (N,)
+        self.start = np.array([math.nan if u.start is None else u.start for u in utts], dtype=np.float64)
+        self.end = np.array([math.nan if u.end is None else u.end for u in utts], dtype=np.float64)
+
+    def __len__(self) -> int:
+        return len(self.duration)
+
+    def __getitem__(self, index: int) -> Utterance:
+        start, end = float(self.start[index]), float(self.end[index])
+        return Utterance(
+            self.ids[index], self.audio[index], float(self.duration[index]), self.text[index],
+            start=None if math.isnan(start) else start, end=None if math.isnan(end) else end,
+            speed=float(self.speed[index]),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.duration, self.speed, self.start, self.end)
+        return sum(x.nbytes for x in (self.ids, self.audio, self.text, *arrays))
+
+
+class ASRDataset(Dataset):
+    """Utterances -> Example(id, feats, tokens), or Skipped(id, reason); never raises for a bad file.
+
+    feats: fbank (asr.features) of the 16 kHz waveform (start/end/speed applied), then CMVN.
+    tokens: tokenizer.encode(normalize_text(text)); empty when `tokenizer` is None.
+    Skipped when the audio cannot be read, its decoded length differs from `duration` by more
+    than 0.1 s, or it is too short for one frame; reporting is the caller's (the loader of
+    `make_loader` logs each once). Training dither comes from a generator seeded by
+    (seed, epoch, index): `dataset[i]` uses the epoch of `set_epoch`, `get(i, epoch)` the one given
+    (what loader workers use: set_epoch does not reach persistent worker processes).
+    With `archive`, the features it holds for an utterance (as its audio is now) are read from it
+    instead: computed once without dither, so no dither in training either.
+    The utterances are kept compactly (numpy arrays, no Python object per utterance);
+    `utterance(i)` rebuilds one (without its speaker).
+    """
+
+    def __init__(
+        self,
+        utts: Sequence[Utterance],
+        tokenizer: Tokenizer | None,
+        *,
+        features: FeatureConfig,
+        cmvn: GlobalCMVN | None = None,
+        training: bool = False,
+        seed: int = 0,
+        archive: FeatureArchive | None = None,
+    ):
+        self.archive = archive
+        if archive is not None:
+            self._archived, self._archived_frames = archive.rows(utts)
+            found = int((self._archived >= 0).sum())
+            logger.info("features of %d of %d utterances from %s%s", found, len(utts), archive.folder,
+                        "" if found == len(utts) else "; the others computed from their audio")
+        self._utts = _UtteranceTable(utts)
+        self.tokenizer = tokenizer
+        self.features = features
+        self.cmvn = cmvn
+        self.training = training
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._utts)
+
+    @property
+    def durations(self) -> np.ndarray:
+        """(N,) float64 seconds, read-only view."""
+        view = self._utts.duration.view()
+        view.flags.writeable = False
+        return view
+
+    def utterance(self, index: int) -> Utterance:
+        return self._utts[index]
+
+    def utt_id(self, index: int) -> str:
+        return self._utts.ids[index]
+
+    def __getitem__(self, index: int) -> Example | Skipped:
+        return self.get(index, self.epoch)
+
+    def get(self, index: int, epoch: int) -> Example | Skipped:
+        """Utterance `index` with the training randomness of `epoch`."""
+        utt = self._utts[index]
+        if self.archive is not None and self._archived[index] >= 0:
+            feats = self.archive.read(int(self._archived[index]), int(self._archived_frames[index]))
+        else:
+            wave = self._load(utt)
+            if isinstance(wave, Skipped):
+                return wave
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index)) if self.training else None
+            feats = fbank(wave, self.features, training=self.training, generator=generator)  # (T, D)
+            if feats.shape[0] == 0:
+                return Skipped(utt.id, f"too short for one frame ({wave.numel() / SAMPLE_RATE:.3f} s)")
+        if self.cmvn is not None:
+            with torch.no_grad():
+                feats = self.cmvn(feats)
+        return Example(utt.id, feats, self._tokens(utt.text))
+
+    def _load(self, utt: Utterance) -> torch.Tensor | Skipped:
+        """(N,) float32 16 kHz waveform, or Skipped when unreadable or of the wrong length."""
+        try:
+            wave = load_audio(utt.audio, start=utt.start or 0.0, end=utt.end, speed=utt.speed)
+        except AudioError as e:
+            return Skipped(utt.id, str(e))
+        except Exception as e:  # reported with the id, never raised out of the loader
+            return Skipped(utt.id, f"{utt.audio}: {type(e).__name__}: {e}")
+        decoded = wave.numel() / SAMPLE_RATE
+        if abs(decoded - utt.duration) > LENGTH_TOLERANCE:
+            return Skipped(utt.id, f"decoded length {decoded:.3f} s differs from duration {utt.duration:.3f} s")
+        return wave
+
+    def _tokens(self, text: str) -> torch.Tensor:
+        if self.tokenizer is None:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.tensor(self.tokenizer.encode(normalize_text(text)), dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collate
+
+
+class Batch(NamedTuple):
+    """A padded batch. B = utterances, T = frames, D = feature bins, L = tokens."""
+
+    ids: list[str]
+    feats: torch.Tensor  # (B, T, D) float32, zero-padded
+    feat_lens: torch.Tensor  # (B,) int64
+    tokens: torch.Tensor  # (B, L) int64, padded with IGNORE_ID (-1)
+    token_lens: torch.Tensor  # (B,) int64
+
+
+def split_skipped(items: Iterable[Example | Skipped]) -> tuple[list[Example], list[Skipped]]:
+    """(the Examples, the Skipped entries), each in the given order."""
+    items = list(items)
+    return [e for e in items if isinstance(e, Example)], [e for e in items if isinstance(e, Skipped)]
+
+
+def collate(
+    examples: Sequence[Example | Skipped],
+    *,
+    specaug: SpecAugmentConfig | None = None,
+    generator: torch.Generator | None = None,
+    feat_dim: int | None = None,
+) -> Batch:
+    """Pad the Examples into a Batch (order kept). Skipped entries are left out: take them first
+    with `split_skipped` to report them (the loader of `make_loader` does).
+    With `specaug`, SpecAugment (asr.features.spec_augment) is applied within each length.
+    `feat_dim` gives D for a batch without Examples (else D = 0)."""
+    kept, _ = split_skipped(examples)
+    dim = kept[0].feats.shape[1] if kept else (feat_dim or 0)
+    feat_lens = torch.tensor([e.feats.shape[0] for e in kept], dtype=torch.long)
+    token_lens = torch.tensor([e.tokens.numel() for e in kept], dtype=torch.long)
+    feats = torch.zeros(len(kept), max(feat_lens.tolist(), default=0), dim)
+    tokens = torch.full((len(kept), max(token_lens.tolist(), default=0)), IGNORE_ID, dtype=torch.long)
+    for b, e in enumerate(kept):
+        feats[b, : e.feats.shape[0]] = e.feats
+        tokens[b, : e.tokens.numel()] = e.tokens
+    if specaug is not None and kept:
+        feats = spec_augment(feats, feat_lens, specaug, generator=generator)
+    return Batch([e.id for e in kept], feats, feat_lens, tokens, token_lens)
+
