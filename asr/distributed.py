@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from asr.checkpoint import TrainingError
 
-__all__ = ["Context", "collective_errors", "setup_process", "sigterm_stops"]
+__all__ = ["Context", "collective_errors", "end_process", "setup_process", "sigterm_stops"]
 
 
 @dataclass

@@ -549,6 +549,5 @@ def load_experiment_config(path: str, overrides: list[str]) -> ExperimentConfig:
     return load_config(ExperimentConfig, path, overrides)
 
 
-__all__ = ["ASRTask", "ExperimentConfig", "Task", "TokenizerConfig", "TrainingConfig", "TrainingError", "fit",
-           "compute_validation_loss", "learning_rate", "load_experiment_config", "train", "train_one_epoch",
-           "train_step"]
+__all__ = ["ExperimentConfig", "TokenizerConfig", "TrainingConfig", "TrainingError", "compute_validation_loss", "fit",
+           "learning_rate", "load_experiment_config", "train", "train_one_epoch", "train_step"]

@@ -1,4 +1,4 @@
-"""Training: schedule, overfitting, exact resume after SIGKILL, DDP equivalence, skips, averaging."""
+"""Training: schedule, overfitting, exact resume after SIGKILL, DDP equivalence, skips, averaging, logs."""
 from __future__ import annotations
 
 import json
@@ -265,3 +265,35 @@ def test_early_stopping_and_checkpoint_retention(tmp_path):
     assert [r["epoch"] for r in valid if r["kind"] == "valid"] == [1, 2, 3]
     kept = sorted(p.name for p in (exp / "checkpoints").glob("ckpt-*.pt"))
     assert kept == ["ckpt-00000001.pt", "ckpt-00000003.pt"]  # the best (first) and the last
+
+
+def test_metrics_of_a_resumed_run_read_as_one_run(tmp_path):
+    """A run resumed from step 2 drops what the interrupted run logged after it (and a line a
+    kill cut short); read_records skips such a line."""
+    from asr.train_log import TrainLog, read_records
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    metrics.write_text("\n".join(lines) + '\n{"kind": "tra')
+    assert [r["step"] for r in read_records(metrics)] == [1, 2, 3]
+    logger = TrainLog(tmp_path, True, summarize=lambda sums, counts, n: {"loss": sums[0] / n}, speed_key="x_per_s",
+                      resumed_at=2)
+    logger.valid({"loss": 0.5, "epoch": 1, "step": 2})
+    logger.close()
+    assert read_records(metrics) == [json.loads(lines[0]), json.loads(lines[1]),
+                                     {"kind": "valid", "loss": 0.5, "epoch": 1, "step": 2}]
+
+
+def test_a_collective_that_lost_a_rank_is_one_line():
+    from asr.checkpoint import TrainingError
+    from asr.distributed import Context, collective_errors
+
+    two = Context(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    with pytest.raises(TrainingError, match=r"^rank 1: lost contact with another rank \(Connection closed by peer\); "
+                                            "the job stops: resume here$"):
+        with collective_errors(two, lambda: "resume here"):
+            raise RuntimeError("[/src/gloo/transport.cc:123] Connection closed by peer")
+    one = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="Connection closed"):  # one process: left as it is
+        with collective_errors(one, lambda: "resume here"):
+            raise RuntimeError("Connection closed by peer")
