@@ -1,4 +1,5 @@
-"""Model files and training checkpoints: one self-contained file each, written atomically.
+"""Model files and training checkpoints: one self-contained file each, written atomically; the
+checkpoint index of an experiment folder, pruning, resuming and averaging.
 
 A model file (DESIGN.md) is a plain dict
 
@@ -8,9 +9,16 @@ A model file (DESIGN.md) is a plain dict
 holding only dicts, lists, strings, numbers, bytes and tensors, so that it loads with
 `torch.load(..., weights_only=True)`, the only way we ever load one. Training checkpoints use
 the same rules with format "asr-checkpoint".
+
+A training run keeps its checkpoints in EXP/checkpoints/ckpt-<step>.pt with an index,
+EXP/checkpoints/index.json = [{"file", "step", "epoch", "valid_loss"}], oldest first: the newest
+is where a rerun resumes, the best validated ones are what `average` averages.
 """
 from __future__ import annotations
 
+import json
+import logging
+import random
 import re
 import warnings
 import zipfile
@@ -20,18 +28,27 @@ from typing import Any
 
 import torch
 
-from asr.fileio import atomic_open
+from asr.config import config_diff, read_yaml
+from asr.fileio import atomic_open, remove_stale_temporaries
 
 MODEL_FORMAT = "asr-model"
 CHECKPOINT_FORMAT = "asr-checkpoint"
 VERSION = 1
 
-__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "VERSION", "CheckpointError", "save_atomic", "load_file",
-           "model_file", "average_state_dicts"]
+__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "VERSION", "CheckpointError", "TrainingError", "save_atomic",
+           "load_file", "model_file", "average_state_dicts", "average", "checkpoint_dir", "clean_experiment",
+           "check_or_save_config", "read_index", "resume", "resume_hint", "save_checkpoint"]
+
+log = logging.getLogger("asr.train")
 
 
 class CheckpointError(ValueError):
     """A model or checkpoint file that cannot be used; the message names the file."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a refused resume, too many non-finite steps, a checkpoint that cannot
+    be written, a lost rank, running out of memory under DDP); one line."""
 
 
 def save_atomic(obj: Mapping[str, Any], path: str | Path) -> None:
@@ -182,4 +199,156 @@ def average_state_dicts(state_dicts: Sequence[Mapping[str, torch.Tensor]]) -> di
             out[k] = (total / len(state_dicts)).to(last.dtype)
         else:
             out[k] = last.clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoints of an experiment folder
+
+
+def checkpoint_dir(exp: str | Path) -> Path:
+    return Path(exp) / "checkpoints"
+
+
+def _index_path(folder: Path) -> Path:
+    return folder / "index.json"
+
+
+def read_index(folder: Path) -> list[dict[str, Any]]:
+    """EXP/checkpoints/index.json: [{"file", "step", "epoch", "valid_loss"}] of the checkpoints kept."""
+    path = _index_path(folder)
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+        return [e for e in entries if (folder / e["file"]).is_file()]
+    except (ValueError, TypeError, KeyError) as e:  # edited by hand
+        raise TrainingError(f"{path}: not a checkpoint index ({e}); remove it to start from scratch") from None
+
+
+def resume_hint(exp: Path) -> str:
+    """Where a rerun of the same command resumes from."""
+    last = read_index(checkpoint_dir(exp))
+    if not last:
+        return "rerun the same command to start again (no checkpoint yet)"
+    return f"rerun the same command to resume from {checkpoint_dir(exp) / last[-1]['file']}"
+
+
+def save_checkpoint(exp: Path, envelope: Mapping[str, Any], *, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, state: Mapping[str, Any], valid_loss: float | None,
+                    keep_last: int, keep_best: int) -> Path:
+    """Write EXP/checkpoints/ckpt-<step>.pt atomically: the model file `envelope` (`model_file`)
+    with the optimizer, scaler, RNG states and the loop's `state` (a dict holding "step" and
+    "epoch"); then index it and prune old ones. A failed write (a full disk) is a TrainingError;
+    the checkpoints written before are intact."""
+    obj = dict(envelope)
+    obj.update(
+        format=CHECKPOINT_FORMAT, version=VERSION,
+        optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+        state=dict(state),
+        valid_loss=valid_loss,
+        rng={"torch": torch.get_rng_state(), "python": random.getstate(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+    )
+    folder = checkpoint_dir(exp)
+    path = folder / f"ckpt-{state['step']:08d}.pt"
+    try:
+        save_atomic(obj, path)
+        _write_index(folder, state["step"], state["epoch"], valid_loss)
+        _prune(folder, keep_last, keep_best)
+    except OSError as e:
+        raise TrainingError(f"cannot write checkpoint {path}: {e.strerror or e}; training stopped, "
+                            f"nothing saved is lost: once fixed, {resume_hint(exp)}") from None
+    return path
+
+
+def _write_index(folder: Path, step: int, epoch: int, valid_loss: float | None) -> None:
+    name = f"ckpt-{step:08d}.pt"
+    entries = [e for e in read_index(folder) if e["file"] != name]
+    entries.append({"file": name, "step": step, "epoch": epoch, "valid_loss": valid_loss})
+    with atomic_open(_index_path(folder)) as f:
+        f.write(json.dumps(sorted(entries, key=lambda e: e["step"]), indent=1))
+
+
+def _prune(folder: Path, keep_last: int, keep_best: int) -> None:
+    """Keep the newest `keep_last` checkpoints and the `keep_best` best validated ones."""
+    entries = read_index(folder)
+    keep = {e["file"] for e in entries[-keep_last:]} if keep_last > 0 else set()
+    validated = sorted((e for e in entries if e["valid_loss"] is not None), key=lambda e: e["valid_loss"])
+    keep |= {e["file"] for e in validated[:keep_best]}
+    keep.add(entries[-1]["file"])
+    for e in entries:
+        if e["file"] not in keep:
+            (folder / e["file"]).unlink(missing_ok=True)
+    with atomic_open(_index_path(folder)) as f:
+        f.write(json.dumps([e for e in entries if e["file"] in keep], indent=1))
+
+
+def check_or_save_config(exp: Path, config: dict[str, Any], *, save: bool) -> None:
+    """Refuse to resume into an EXP trained with another config (EXP/config.yaml); when there is
+    none yet, write `config` there if `save` (rank 0)."""
+    path = exp / "config.yaml"
+    if path.is_file():
+        diff = config_diff(read_yaml(path), config)
+        if diff:
+            raise TrainingError(f"{exp} was trained with another config; use a new --exp-dir or the same "
+                                f"config. Differences (saved -> now): {'; '.join(diff)}")
+    elif save:
+        import yaml
+
+        exp.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path) as f:
+            f.write(yaml.safe_dump(config, sort_keys=False))
+
+
+def clean_experiment(exp: Path) -> None:
+    """Remove the temporary files of writes a kill interrupted (EXP, its tokenizer, its checkpoints)."""
+    for folder in (exp, exp / "tokenizer", checkpoint_dir(exp)):
+        remove_stale_temporaries(folder)
+
+
+def resume(exp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *,
+           map_location: Any = "cpu") -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest checkpoint of EXP into the model, optimizer and scaler and restore the RNG
+    states; (its path, the loop state it saved), or None when there is none yet."""
+    entries = read_index(checkpoint_dir(exp))
+    if not entries:
+        return None
+    path = checkpoint_dir(exp) / entries[-1]["file"]
+    ckpt = load_file(path, CHECKPOINT_FORMAT, map_location=map_location)
+    model.load_state_dict(ckpt["state_dict"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scaler.load_state_dict(ckpt["scaler"])
+    rng = ckpt["rng"]
+    torch.set_rng_state(rng["torch"].cpu())
+    random.setstate(_as_tuple(rng["python"]))
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    return path, ckpt["state"]
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def average(exp_dir: str | Path, *, by: str = "best", num: int = 5, out: str | Path | None = None) -> Path:
+    """Average the `num` best (validation loss) or last checkpoints of EXP into one model file."""
+    folder = checkpoint_dir(exp_dir)
+    entries = read_index(folder)
+    if by == "best":
+        entries = sorted((e for e in entries if e["valid_loss"] is not None), key=lambda e: e["valid_loss"])
+    else:
+        entries = sorted(entries, key=lambda e: e["step"], reverse=True)
+    if not entries:
+        raise TrainingError(f"{folder}: no {'validated ' if by == 'best' else ''}checkpoints to average")
+    chosen = entries[:num]
+    if len(chosen) < num:
+        log.warning("only %d checkpoint(s) available (asked for %d): averaging those", len(chosen), num)
+    ckpts = [load_file(folder / e["file"], CHECKPOINT_FORMAT) for e in chosen]
+    # every checkpoint of one EXP holds the same model, frontend and tokenizer configs
+    configs = {key: ckpts[0][key] for key in ("model", "frontend", "tokenizer")}
+    obj = model_file(**configs, state_dict=average_state_dicts([c["state_dict"] for c in ckpts]))
+    out = Path(out) if out else Path(exp_dir) / "model_avg.pt"
+    save_atomic(obj, out)
+    names = ", ".join(f"{e['file']} (valid loss {e['valid_loss']:.4f})" if e["valid_loss"] is not None
+                      else e["file"] for e in chosen)
+    log.info("averaged %d checkpoint(s) by %s: %s", len(chosen), by, names)
     return out

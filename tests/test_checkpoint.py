@@ -1,4 +1,5 @@
-"""Model files: the DESIGN.md envelope, weights-only loading, atomic writes, averaging."""
+"""Model files: the DESIGN.md envelope, weights-only loading, atomic writes, averaging; the
+checkpoints of an experiment folder: index, pruning, resume, the saved config."""
 from __future__ import annotations
 
 import pickle
@@ -6,7 +7,22 @@ import pickle
 import pytest
 import torch
 
-from asr.checkpoint import VERSION, CheckpointError, average_state_dicts, load_file, model_file, save_atomic
+from asr.checkpoint import (
+    VERSION,
+    CheckpointError,
+    TrainingError,
+    average,
+    average_state_dicts,
+    check_or_save_config,
+    checkpoint_dir,
+    load_file,
+    model_file,
+    read_index,
+    resume,
+    resume_hint,
+    save_atomic,
+    save_checkpoint,
+)
 
 
 def example(tmp_path):
@@ -111,3 +127,88 @@ def test_sigkill_while_writing_leaves_the_previous_file(tmp_path):
     time.sleep(0.1)
     assert path.read_bytes() == before
     assert torch.equal(load_file(path)["state_dict"]["w"], torch.ones(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoints of an experiment folder
+
+
+def training_objects(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer, torch.amp.GradScaler("cpu", enabled=False)
+
+
+def envelope(model: torch.nn.Module, d_model: int = 4) -> dict:
+    return model_file(model={"d_model": d_model}, frontend={"n_mels": 80}, tokenizer={"kind": "char"},
+                      state_dict=model.state_dict())
+
+
+def save_steps(exp, model, optimizer, scaler, losses, *, keep_last: int, keep_best: int) -> None:
+    for step, loss in enumerate(losses, start=1):
+        save_checkpoint(exp, envelope(model), optimizer=optimizer, scaler=scaler,
+                        state={"step": step, "epoch": step // 2, "history": []}, valid_loss=loss,
+                        keep_last=keep_last, keep_best=keep_best)
+
+
+def test_checkpoints_are_indexed_and_pruned_to_the_newest_and_the_best(tmp_path):
+    model, optimizer, scaler = training_objects()
+    save_steps(tmp_path, model, optimizer, scaler, [None, 3.0, None, 1.0, 2.0, None], keep_last=2, keep_best=1)
+    index = read_index(checkpoint_dir(tmp_path))
+    assert [(e["file"], e["step"], e["valid_loss"]) for e in index] == [
+        ("ckpt-00000004.pt", 4, 1.0), ("ckpt-00000005.pt", 5, 2.0), ("ckpt-00000006.pt", 6, None)]
+    assert sorted(p.name for p in checkpoint_dir(tmp_path).iterdir()) == [e["file"] for e in index] + ["index.json"]
+    newest = checkpoint_dir(tmp_path) / "ckpt-00000006.pt"
+    assert resume_hint(tmp_path) == f"rerun the same command to resume from {newest}"
+    assert resume_hint(tmp_path / "new") == "rerun the same command to start again (no checkpoint yet)"
+
+
+def test_resume_restores_weights_optimizer_position_and_random_state(tmp_path):
+    model, optimizer, scaler = training_objects(seed=0)
+    save_steps(tmp_path, model, optimizer, scaler, [None, 0.5], keep_last=5, keep_best=5)
+    expected_draw = torch.rand(3)
+    other, other_optimizer, other_scaler = training_objects(seed=1)
+    assert resume(tmp_path / "none", other, other_optimizer, other_scaler) is None
+    path, state = resume(tmp_path, other, other_optimizer, other_scaler)
+    assert path == checkpoint_dir(tmp_path) / "ckpt-00000002.pt" and state == {"step": 2, "epoch": 1, "history": []}
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG as it was when the checkpoint was written
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    assert str(other_optimizer.state_dict()) == str(optimizer.state_dict())
+
+
+def test_a_damaged_index_is_a_one_line_training_error(tmp_path):
+    folder = checkpoint_dir(tmp_path)
+    folder.mkdir()
+    (folder / "index.json").write_text('[{"step": 1}]')
+    with pytest.raises(TrainingError, match="not a checkpoint index .*remove it to start from scratch"):
+        read_index(folder)
+
+
+def test_average_of_the_best_or_the_last_checkpoints(tmp_path):
+    model, optimizer, scaler = training_objects()
+    for step, loss in enumerate([3.0, 1.0, 2.0], start=1):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        save_checkpoint(tmp_path, envelope(model), optimizer=optimizer, scaler=scaler,
+                        state={"step": step, "epoch": step, "history": []}, valid_loss=loss, keep_last=5, keep_best=5)
+    best = load_file(average(tmp_path, by="best", num=2, out=tmp_path / "best.pt"))
+    assert torch.equal(best["state_dict"]["weight"], torch.full((2, 3), 2.5))  # steps 2 and 3
+    assert best["format"] == "asr-model" and best["model"] == {"d_model": 4} and best["tokenizer"] == {"kind": "char"}
+    last = load_file(average(tmp_path, by="last", num=1))
+    assert torch.equal(last["state_dict"]["weight"], torch.full((2, 3), 3.0))
+    assert (tmp_path / "model_avg.pt").is_file()
+    with pytest.raises(TrainingError, match="no validated checkpoints to average"):
+        average(tmp_path / "empty")
+
+
+def test_a_saved_config_refuses_another(tmp_path):
+    check_or_save_config(tmp_path, {"training": {"lr": 0.1}}, save=False)
+    assert not (tmp_path / "config.yaml").exists()  # only rank 0 writes it
+    check_or_save_config(tmp_path, {"training": {"lr": 0.1}}, save=True)
+    check_or_save_config(tmp_path, {"training": {"lr": 0.1}}, save=True)  # the same: resumes
+    with pytest.raises(TrainingError, match=r"trained with another config.*training\.lr"):
+        check_or_save_config(tmp_path, {"training": {"lr": 0.5}}, save=False)

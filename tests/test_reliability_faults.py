@@ -30,6 +30,7 @@ from asr.fileio import atomic_open, remove_stale_temporaries
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "reliability_report.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
+FAULT_LAUNCH = ROOT / "tests" / "fault_launch.py"
 sys.path.insert(0, str(ROOT / "tools"))
 from reliability_report import KILL_OVERRIDES, TINY, write_corpus  # noqa: E402
 
@@ -137,24 +138,30 @@ def test_a_full_disk_during_save_keeps_the_previous_file(tmp_path, monkeypatch, 
 # training runs (slow): one uninterrupted run, then faulty ones compared with it
 
 
-def train(corpus: tuple[Path, Path], exp: Path, *extra: str, env: dict | None = None, launcher: list[str] | None = None,
-          wrapper: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`asr train` on the corpus with conf/tiny.yaml and KILL_OVERRIDES (+ extra) in a subprocess;
-    `wrapper`: Python code run first in that process (a fault injected by monkeypatching)."""
+def train(corpus: tuple[Path, Path], exp: Path, *extra: str, launcher: list[str] | None = None,
+          wrapper: str | None = None, faults: list[str] | None = None,
+          timeout: float = 300) -> subprocess.CompletedProcess:
+    """`asr train` on the corpus with conf/tiny.yaml and KILL_OVERRIDES (+ extra) in a subprocess
+    (under `launcher`, e.g. torchrun); `wrapper`: Python code run first in that process (a fault
+    injected by monkeypatching); `faults`: options of tests/fault_launch.py (e.g. ["--oom", "0:5:0"]),
+    which then runs it with those faults patched into the trainer."""
     train_manifest, valid_manifest = corpus
     args = ["train", "--config", TINY, "--train", train_manifest, "--valid", valid_manifest, "--exp-dir", exp,
             *KILL_OVERRIDES, "data.num_workers=0", *extra]
-    if launcher:
+    if faults:
+        cmd = [*(launcher or [sys.executable]), FAULT_LAUNCH, *faults, "--", *args]
+    elif launcher:
         cmd = [*launcher, "-m", "asr.cli", *args]
     else:
         code = (wrapper or "") + "\nimport sys\nfrom asr.cli import main\nsys.exit(main(sys.argv[1:]))"
         cmd = [sys.executable, "-c", code, *args]
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def outcome(exp: Path) -> dict:
-    from asr.trainer import read_index, read_records
+    from asr.checkpoint import read_index
+    from asr.train_log import read_records
 
     records = [{k: v for k, v in r.items() if k != "audio_s_per_s"} for r in read_records(exp / "metrics.jsonl")]
     return {"weights": load_file(exp / "model_last.pt")["state_dict"], "records": records,
@@ -261,14 +268,14 @@ def test_a_full_disk_stops_training_with_a_clear_message_and_the_run_resumes(cor
 
 @pytest.mark.slow
 def test_out_of_memory_in_one_process_splits_the_batch_or_skips_the_utterance(corpus, straight, tmp_path):
-    """ASR_INJECT_OOM="0:1:1": every micro-batch of 2+ utterances runs out of memory, so each is
+    """--oom 0:1:1: every micro-batch of 2+ utterances runs out of memory, so each is
     split in halves: the same loss and gradient (dropout off: the halves draw other masks; later
-    steps drift apart by rounding only). "0:5:0": from step attempt 5 even one utterance does not
+    steps drift apart by rounding only). --oom 0:5:0: from step attempt 5 even one utterance does not
     fit: each is skipped with a warning, and after max_bad_steps such steps in a row training
     stops, to resume (without the fault) exactly where it was."""
     logged = {}
-    for name, env in (("whole", {}), ("split", {"ASR_INJECT_OOM": "0:1:1"})):
-        out = train(corpus, tmp_path / name, "model.dropout=0.0", env=env)
+    for name, faults in (("whole", []), ("split", ["--oom", "0:1:1"])):
+        out = train(corpus, tmp_path / name, "model.dropout=0.0", faults=faults)
         assert out.returncode == 0, out.stderr[-3000:]
         logged[name] = [r for r in outcome(tmp_path / name)["records"] if r["kind"] == "train"]
     assert "out of memory on a batch of 2 utterances (longest" in out.stderr and "split in two halves" in out.stderr
@@ -279,7 +286,7 @@ def test_out_of_memory_in_one_process_splits_the_batch_or_skips_the_utterance(co
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in whole], rel=1e-3)
 
     exp = tmp_path / "exp"
-    out = train(corpus, exp, "training.max_bad_steps=2", env={"ASR_INJECT_OOM": "0:5:0"})
+    out = train(corpus, exp, "training.max_bad_steps=2", faults=["--oom", "0:5:0"])
     assert out.returncode == 1
     assert "out of memory even alone; skipped" in out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -294,7 +301,7 @@ def test_out_of_memory_in_one_process_splits_the_batch_or_skips_the_utterance(co
 def test_fp16_steps_where_every_utterance_runs_out_of_memory_are_skipped(corpus, tmp_path):
     """Under fp16 (a gradient scaler) a step with no backward at all is skipped like the others:
     the scaler is neither asked to unscale nor to update (it refuses both without gradients)."""
-    out = train(corpus, tmp_path / "exp", "training.precision=fp16", env={"ASR_INJECT_OOM": "0:5:0"})
+    out = train(corpus, tmp_path / "exp", "training.precision=fp16", faults=["--oom", "0:5:0"])
     assert out.returncode == 1
     assert "out of memory even alone; skipped" in out.stderr and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
@@ -321,7 +328,7 @@ def test_ddp_failures_end_the_job_with_a_clear_message_and_the_run_resumes(corpu
     rank 1 is SIGKILLed (the job ends, rank 0 saying why); resumed again, the run finishes."""
     exp = tmp_path / "exp"
     launcher = [str(TORCHRUN), "--nproc_per_node", "2", "--master_port", "29531"]
-    out = train(corpus, exp, env={"ASR_INJECT_OOM": "1:5:0"}, launcher=launcher, timeout=180)
+    out = train(corpus, exp, faults=["--oom", "1:5:0"], launcher=launcher, timeout=180)
     assert out.returncode != 0
     ckpt = exp / "checkpoints" / "ckpt-00000004.pt"  # two ranks: 4 steps an epoch, a checkpoint at its end
     assert ("asr train: error: rank 1: out of memory at step 5 on a batch of 1 utterances (longest"

@@ -1,4 +1,4 @@
-"""Training: schedule, overfitting, exact resume after SIGKILL, DDP equivalence, skips, averaging."""
+"""Training: schedule, overfitting, exact resume after SIGKILL, DDP equivalence, skips, averaging, logs."""
 from __future__ import annotations
 
 import json
@@ -47,8 +47,16 @@ def make_corpus(folder: Path, n: int = 2, seconds: float = 1.0, step: float = 0.
     return manifest
 
 
-def asr_train(manifest: Path, exp: Path, *overrides: str, env=None, launcher=()):
-    cmd = [*launcher, "-m", "asr.cli"] if launcher else [sys.executable, "-m", "asr.cli"]
+FAULT_LAUNCH = ROOT / "tests" / "fault_launch.py"
+
+
+def asr_train(manifest: Path, exp: Path, *overrides: str, env=None, launcher=(), faults=()):
+    """`asr train` in a subprocess (under `launcher`, e.g. torchrun); `faults`: options of
+    tests/fault_launch.py (e.g. ["--nonfinite", "0:2"]), which then runs it with them patched in."""
+    if faults:
+        cmd = [*(launcher or [sys.executable]), FAULT_LAUNCH, *faults, "--"]
+    else:
+        cmd = [*launcher, "-m", "asr.cli"] if launcher else [sys.executable, "-m", "asr.cli"]
     cmd += ["train", "--config", TINY, "--train", manifest, "--valid", manifest, "--exp-dir", exp, *QUIET, *overrides]
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
 
@@ -164,8 +172,8 @@ def test_training_reads_dumped_features(tmp_path):
 def test_average_and_nonfinite_skip(tmp_path):
     manifest = make_corpus(tmp_path / "data", n=4)
     exp = tmp_path / "exp"
-    env = {**os.environ, "ASR_INJECT_NONFINITE": "0:2"}  # rank 0, optimizer step 2
-    out = asr_train(manifest, exp, "training.epochs=3", "data.num_workers=0", "data.max_batch_seconds=2.5", env=env)
+    out = asr_train(manifest, exp, "training.epochs=3", "data.num_workers=0", "data.max_batch_seconds=2.5",
+                    faults=["--nonfinite", "0:2"])  # rank 0, optimizer step 2
     assert out.returncode == 0, out.stderr[-2000:]
     assert "non-finite" in out.stderr
     records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
@@ -210,7 +218,7 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
 
 
 def weights_at_init(tmp_path: Path) -> dict[str, torch.Tensor]:
-    from asr.model.asr_model import ModelConfig, build_model
+    from asr.model import ModelConfig, build_model
     from asr.trainer import load_experiment_config
 
     config = load_experiment_config(str(TINY), QUIET)
@@ -225,9 +233,10 @@ def test_nonfinite_on_one_rank_of_two_is_skipped_without_a_hang(tmp_path):
     manifest = make_corpus(tmp_path / "data", n=8, seconds=0.75, step=0.0)
     exp = tmp_path / "exp"
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", "29519"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ASR_INJECT_NONFINITE": "1:2"}  # rank 1 only, attempt 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = asr_train(manifest, exp, "training.max_steps=4", "training.epochs=10", "data.num_workers=0",
-                    "data.max_batch_seconds=1.5", "training.checkpoint_every=0", env=env, launcher=torchrun)
+                    "data.max_batch_seconds=1.5", "training.checkpoint_every=0", env=env, launcher=torchrun,
+                    faults=["--nonfinite", "1:2"])  # rank 1 only, attempt 2
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("skipped_steps", 0) for r in records) == 1
@@ -256,3 +265,35 @@ def test_early_stopping_and_checkpoint_retention(tmp_path):
     assert [r["epoch"] for r in valid if r["kind"] == "valid"] == [1, 2, 3]
     kept = sorted(p.name for p in (exp / "checkpoints").glob("ckpt-*.pt"))
     assert kept == ["ckpt-00000001.pt", "ckpt-00000003.pt"]  # the best (first) and the last
+
+
+def test_metrics_of_a_resumed_run_read_as_one_run(tmp_path):
+    """A run resumed from step 2 drops what the interrupted run logged after it (and a line a
+    kill cut short); read_records skips such a line."""
+    from asr.train_log import TrainLog, read_records
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    metrics.write_text("\n".join(lines) + '\n{"kind": "tra')
+    assert [r["step"] for r in read_records(metrics)] == [1, 2, 3]
+    logger = TrainLog(tmp_path, True, summarize=lambda sums, counts, n: {"loss": sums[0] / n}, speed_key="x_per_s",
+                      resumed_at=2)
+    logger.valid({"loss": 0.5, "epoch": 1, "step": 2})
+    logger.close()
+    assert read_records(metrics) == [json.loads(lines[0]), json.loads(lines[1]),
+                                     {"kind": "valid", "loss": 0.5, "epoch": 1, "step": 2}]
+
+
+def test_a_collective_that_lost_a_rank_is_one_line():
+    from asr.checkpoint import TrainingError
+    from asr.distributed import Context, collective_errors
+
+    two = Context(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    with pytest.raises(TrainingError, match=r"^rank 1: lost contact with another rank \(Connection closed by peer\); "
+                                            "the job stops: resume here$"):
+        with collective_errors(two, lambda: "resume here"):
+            raise RuntimeError("[/src/gloo/transport.cc:123] Connection closed by peer")
+    one = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="Connection closed"):  # one process: left as it is
+        with collective_errors(one, lambda: "resume here"):
+            raise RuntimeError("Connection closed by peer")

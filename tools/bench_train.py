@@ -25,8 +25,8 @@ decoding, fbank with dither, CMVN and SpecAugment), torch's default threads, fp3
 - cores, load: CPU seconds of the training process (all its threads, workers not included) per
   wall second of the timed steps (sampled every 0.2 s), and the 1-minute load average before and
   after train(). The figures are steady-state only on an otherwise idle machine: a process that
-  takes one of two cores slows the step's OpenMP regions by far more than its share (seen here:
-  4x), so a warning follows the table when the training process got under 80% of its threads.
+  takes one of two cores slows the step's OpenMP regions by far more than its share, so a
+  warning follows the table when the training process got under 80% of its threads.
 - memory: peak RSS of the training process (getrusage, the kernel's high-water mark) and peak PSS
   of the training process plus its loader workers (sampled from /proc every 0.2 s; PSS splits
   shared pages between the processes, so the sum is the real footprint).

@@ -267,7 +267,8 @@ def _outcome(exp: Path) -> dict[str, Any]:
     """What a finished run leaves: final weights, logged records (clock-free), kept checkpoints."""
     import torch
 
-    from asr.trainer import read_index, read_records
+    from asr.checkpoint import read_index
+    from asr.train_log import read_records
 
     records = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_records(exp / "metrics.jsonl")]
     state = torch.load(exp / "model_last.pt", weights_only=True)["state_dict"]

@@ -1,0 +1,156 @@
+"""What a training run reports: the progress bar, EXP/metrics.jsonl, TensorBoard and the curves.
+
+EXP/metrics.jsonl holds one JSON record a line: {"kind": "train", "step", "epoch", ...} every
+`log_every` optimizer steps and {"kind": "valid", "step", "epoch", ...} at each validation.
+TensorBoard (EXP/tensorboard) gets every number of those records as `<kind>/<key>`; `plot_curves`
+draws them into a PNG at the end of training.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asr.fileio import atomic_open
+
+__all__ = ["TrainLog", "plot_curves", "progress", "read_records"]
+
+log = logging.getLogger("asr.train")
+
+
+# (the step sums summed over the steps since the last record and over the ranks, the loss
+# normalizers summed likewise, the number of steps) -> the record's metrics, "loss" first
+Summarize = Callable[[list[float], list[float], int], dict[str, float]]
+
+
+class TrainLog:
+    """EXP/metrics.jsonl and TensorBoard (rank 0). A run resumed from step S first drops what the
+    interrupted run logged after S (and a line a kill cut short): the steps after S are logged
+    again, so the logs read as those of one uninterrupted run.
+
+    What a step's sums mean is the task's: `summarize` turns them into the train record's metrics;
+    `speed_key` names the throughput (e.g. audio seconds per second)."""
+
+    def __init__(self, exp: Path, enabled: bool, *, summarize: Summarize, speed_key: str, resumed_at: int = 0):
+        self.enabled = enabled
+        self.summarize, self.speed_key = summarize, speed_key
+        self.path = exp / "metrics.jsonl"
+        self.writer = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.last_step_end = time.perf_counter()
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            if self.path.is_file():
+                kept = [r for r in read_records(self.path) if r.get("step", 0) <= resumed_at]
+                with atomic_open(self.path) as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+            self.writer = SummaryWriter(str(exp / "tensorboard"), purge_step=resumed_at + 1)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key not in ("kind", "step", "epoch") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+        self.writer.flush()
+
+    def start_clock(self) -> None:
+        """Throughput is measured from here (an epoch's start) to the end of the next step."""
+        self.last_step_end = time.perf_counter()
+
+    def throughput(self, amount: float) -> float:
+        """`amount` (what a step processed, all ranks: audio seconds for speech) per wall second
+        since the last step ended, data waits included."""
+        now = time.perf_counter()
+        speed, self.last_step_end = amount / max(now - self.last_step_end, 1e-9), now
+        return speed
+
+    def train_step(self, step: int, epoch: int, skipped_steps: int, sums: torch.Tensor, norm: torch.Tensor,
+                   grad_norm: torch.Tensor, lr: float, speed: float, bar, every: int, batches: int) -> None:
+        """Every rank calls this after each step (`step` optimizer steps taken, `epoch` 1-based);
+        every `every` steps the ranks' shares of the step `sums` are summed (one all-reduce, the
+        same step on every rank) and rank 0 writes the record."""
+        bar.update(batches)
+        self.pending.append((sums, norm, grad_norm))
+        if step % every:
+            return
+        total = torch.stack([s for s, _, _ in self.pending]).sum(0)  # this rank's shares
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        total = total.tolist()  # host sync, every N steps
+        counts = torch.stack([n for _, n, _ in self.pending]).sum(0).tolist()  # already global
+        gnorm, n = float(self.pending[-1][2]), len(self.pending)
+        self.pending = []
+        if not self.enabled:
+            return
+        record = {"kind": "train", "step": step, "epoch": epoch, **self.summarize(total, counts, n),
+                  "lr": lr, "grad_norm": gnorm, self.speed_key: speed, "skipped_steps": skipped_steps}
+        self._write(record)
+        bar.set_postfix({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}", self.speed_key: f"{speed:.0f}"})
+
+    def valid(self, result: dict[str, Any]) -> None:
+        """One validation's results (with "epoch" and "step"): a record and a log line (rank 0)."""
+        if not self.enabled:
+            return
+        self._write({"kind": "valid", **result})
+        parts = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("epoch", "step"))
+        log.info("epoch %d validation: %s", result["epoch"], parts)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of EXP/metrics.jsonl, skipping a line a kill cut short."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def plot_curves(metrics: Path, path: Path) -> None:
+    """A PNG of training and validation loss and validation CER/WER against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_records(metrics) if metrics.is_file() else []
+    train = [r for r in records if r["kind"] == "train"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=0.8)
+    ax1.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="valid loss")
+    ax1.set_xlabel("optimizer step")
+    ax1.set_yscale("log")
+    ax1.legend()
+    for key in ("cer", "wer"):
+        ax2.plot([r["step"] for r in valid if key in r], [100 * r[key] for r in valid if key in r], "o-",
+                 label=f"valid {key.upper()} (greedy)")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("%")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def progress(enabled: bool, total: int, done: int, desc: str):
+    """A tqdm bar of `total` batches, `done` of them already (shown on rank 0 only)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False,
+                mininterval=1.0)

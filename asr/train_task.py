@@ -1,0 +1,186 @@
+"""What the training loop trains: `Task`, what the loop asks of a batch, and `ASRTask`, speech
+recognition's answers.
+
+The loop (asr.trainer) knows a batch only as something with `ids` (its examples); the task knows
+the rest: the loss of a batch and its normalizers, what is logged, what a validation measures,
+how a batch that ran out of memory is split. A language model would bring its own task and train
+through the same loop.
+
+ASRTask: the loss of a Batch is the model's joint CTC-attention loss, normalized by the target
+tokens (eos included) and utterances of the global batch; a validation sums the same losses and
+the token accuracy, and decodes a fixed subset of the valid set greedily for CER and WER.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from asr.data import Batch
+from asr.features import FeatureConfig
+from asr.metrics import score
+from asr.model import ctc_feasible
+from asr.search import search
+from asr.tokenizer import Tokenizer
+from asr.tokens import FIRST_TOKEN
+
+__all__ = ["ASRTask", "Autocast", "Task"]
+
+log = logging.getLogger("asr.train")
+
+Autocast = Callable[[], AbstractContextManager]  # the run's precision for a forward
+
+
+class Task(Protocol):
+    """What the loop asks of the batches it trains on. A batch has `ids` (its examples; none on
+    a rank whose batch emptied); everything else about it is the task's. The loop calls `loss`
+    and `validation` under the run's autocast."""
+
+    speed_key: str  # the throughput's name in the train records
+    step_sums: tuple[str, ...]  # what `loss` sums over a micro-batch, for the log
+    valid_sums: tuple[str, ...]  # what `validation` sums over a batch
+
+    def counts(self, group: list) -> list[float]:
+        """The loss normalizers of a step's micro-batches on this rank (the loop sums them over ranks)."""
+
+    def loss(self, model: torch.nn.Module, batch: Any, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss of one micro-batch divided by the global `counts`, its `step_sums` detached in float64)."""
+
+    @staticmethod
+    def summarize(sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
+        """The metrics of a train record from `step_sums` and counts summed over `steps` steps."""
+
+    def amount(self, group: list) -> float:
+        """What a step's micro-batches hold, in the unit of `speed_key` (per second)."""
+
+    def placeholder(self) -> Any:
+        """A small batch whose zero-weighted loss keeps an emptied rank in DDP's all-reduce."""
+
+    def halves(self, batch: Any, step: int) -> list:
+        """The halves of a micro-batch that ran out of memory, or [] when it holds one example."""
+
+    def describe(self, batch: Any) -> str:
+        """The batch in a message: "a batch of N utterances (longest S s)"."""
+
+    def validation(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The `valid_sums` of one batch, in float64."""
+
+    def valid_metrics(self, sums: list[float]) -> dict[str, float]:
+        """The validation's results ("loss" first) from `valid_sums` summed over the valid set."""
+
+    def decode_metrics(self, model: torch.nn.Module, autocast: Autocast) -> dict[str, float]:
+        """Metrics that decode (error rates), on rank 0; {} for none."""
+
+
+class ASRTask:
+    """Speech recognition: the joint CTC-attention loss of a Batch, normalized by the global
+    batch's target tokens (eos included) and utterances; at validation the same losses and token
+    accuracy, and greedy CER/WER on a fixed subset of the valid set (rank 0, when given
+    `decode_loader`: a loader of that subset, and `decode_text` its reference texts by id)."""
+
+    speed_key = "audio_s_per_s"
+    step_sums = ("loss", "att_loss", "ctc_loss", "correct")
+    valid_sums = ("att_loss", "ctc_loss", "correct", "tokens", "utts")
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, features: FeatureConfig, ctc_weight: float,
+                 device: torch.device, *, decode_loader=None, decode_text: dict[str, str] | None = None):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.features, self.ctc_weight = features, ctc_weight
+        self.decode_loader, self.decode_text = decode_loader, decode_text or {}
+        self.ctc_reported: set[str] = set()
+
+    def counts(self, group: list[Batch]) -> list[float]:
+        """(target tokens incl. eos, utterances)."""
+        return [sum(float(b.token_lens.sum()) + len(b.ids) for b in group), sum(len(b.ids) for b in group)]
+
+    def loss(self, model: torch.nn.Module, batch: Batch, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch.ids:
+            self._report_ctc_skips(batch)
+        feats, feat_lens = batch.feats.to(self.device, non_blocking=True), batch.feat_lens.to(self.device)
+        tokens, token_lens = batch.tokens.to(self.device, non_blocking=True), batch.token_lens.to(self.device)
+        out = model(feats, feat_lens, tokens, token_lens, num_tokens=counts[0], num_utts=counts[1])
+        correct = out.accuracy.detach().double() * out.num_tokens
+        return out.loss, torch.stack([out.loss.detach().double(), out.att_loss.detach().double(),
+                                      out.ctc_loss.detach().double(), correct])
+
+    @staticmethod
+    def summarize(sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
+        """Losses averaged over the steps, token accuracy over the tokens."""
+        return {"loss": sums[0] / steps, "att_loss": sums[1] / steps, "ctc_loss": sums[2] / steps,
+                "accuracy": sums[3] / max(counts[0], 1)}
+
+    def _report_ctc_skips(self, batch: Batch) -> None:
+        """Log (once per id) the utterances CTC cannot align; computed on the CPU from the lengths,
+        so no device synchronization. The model leaves them out of the CTC loss itself."""
+        frames = self.model.encoder.subsampling.output_lengths(batch.feat_lens)
+        for i in (~ctc_feasible(batch.tokens, batch.token_lens, frames)).nonzero().flatten().tolist():
+            if batch.ids[i] not in self.ctc_reported:
+                self.ctc_reported.add(batch.ids[i])
+                log.warning("%s: more labels than encoder frames for CTC; left out of the CTC loss", batch.ids[i])
+
+    def amount(self, group: list[Batch]) -> float:
+        """Seconds of audio."""
+        return sum(float(b.feat_lens.sum()) for b in group) * self.features.frame_shift_ms / 1000
+
+    def placeholder(self) -> Batch:
+        """One short utterance with one token."""
+        return Batch(ids=[], feats=torch.zeros(1, 100, self.features.n_mels), feat_lens=torch.tensor([100]),
+                     tokens=torch.full((1, 1), FIRST_TOKEN), token_lens=torch.tensor([1]))
+
+    def _longest(self, batch: Batch) -> float:
+        return float(batch.feat_lens.max()) * self.features.frame_shift_ms / 1000
+
+    def describe(self, batch: Batch) -> str:
+        return f"a batch of {len(batch.ids)} utterances (longest {self._longest(batch):.1f} s)"
+
+    def halves(self, batch: Batch, step: int) -> list[Batch]:
+        """The two halves of a micro-batch that ran out of memory, or [] for one utterance (skipped,
+        with a warning)."""
+        if len(batch.ids) == 1:
+            log.warning("%s (%.1f s): out of memory even alone; skipped", batch.ids[0], self._longest(batch))
+            return []
+        log.warning("step %d: out of memory on %s; split in two halves", step, self.describe(batch))
+        half = len(batch.ids) // 2
+        return [_rows(batch, slice(0, half)), _rows(batch, slice(half, None))]
+
+    def validation(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        one = torch.ones((), device=self.device)
+        out = model(batch.feats.to(self.device), batch.feat_lens.to(self.device), batch.tokens.to(self.device),
+                    batch.token_lens.to(self.device), num_tokens=one, num_utts=one)
+        return torch.stack([out.att_loss.double(), out.ctc_loss.double(), out.accuracy.double() * out.num_tokens,
+                            torch.as_tensor(out.num_tokens, dtype=torch.float64, device=self.device),
+                            torch.as_tensor(out.num_utts, dtype=torch.float64, device=self.device)])
+
+    def valid_metrics(self, sums: list[float]) -> dict[str, float]:
+        att, ctc, correct, tokens, utts = sums
+        w = self.ctc_weight
+        return {"loss": w * ctc / max(utts, 1) + (1 - w) * att / max(tokens, 1), "att_loss": att / max(tokens, 1),
+                "ctc_loss": ctc / max(utts, 1), "accuracy": correct / max(tokens, 1)}
+
+    def decode_metrics(self, model: torch.nn.Module, autocast: Autocast) -> dict[str, float]:
+        """Greedy attention decoding of the decode subset: {"cer", "wer"}."""
+        if self.decode_loader is None:
+            return {}
+        refs, hyps = {}, {}
+        self.decode_loader.set_epoch(0)
+        for batch in self.decode_loader:
+            if not batch.ids:
+                continue
+            with autocast():
+                found = search(model, batch.feats.to(self.device), batch.feat_lens.to(self.device))
+            for utt_id, hyp in zip(batch.ids, found):
+                refs[utt_id], hyps[utt_id] = self.decode_text[utt_id], self.tokenizer.decode(hyp.tokens)
+        if not refs:
+            return {}
+        stats = score(refs, hyps).stats
+        return {"cer": stats.cer, "wer": stats.wer}
+
+
+def _rows(batch: Batch, rows: slice) -> Batch:
+    """Some utterances of a padded batch, trimmed to their own longest features and targets."""
+    feat_lens, token_lens = batch.feat_lens[rows], batch.token_lens[rows]
+    frames, tokens = int(feat_lens.max()), int(token_lens.max())
+    return Batch(batch.ids[rows], batch.feats[rows, :frames], feat_lens, batch.tokens[rows, :tokens], token_lens)

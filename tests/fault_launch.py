@@ -1,0 +1,63 @@
+"""Run `asr` with a fault injected into the trainer's steps, for the fault tests: a process of
+its own, or each rank of a torchrun job.
+
+    python tests/fault_launch.py --nonfinite 0:2 -- train --config ... --exp-dir EXP
+    torchrun --nproc_per_node 2 tests/fault_launch.py --oom 1:5:0 -- train ...
+
+--nonfinite RANK:N[,RANK:N...]  RANK's loss is NaN at its N-th optimizer step attempt (1-based:
+                                optimizer steps taken + steps skipped + 1)
+--oom RANK:N:U                  from its N-th attempt on, RANK runs out of memory
+                                (torch.OutOfMemoryError) in every micro-batch of more than U
+                                utterances
+
+The faults are patched in (asr.trainer.train_step tells which attempt runs; ASRTask.loss fails),
+then asr.cli.main runs the given arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+import asr.trainer
+from asr.cli import main
+from asr.train_task import ASRTask
+
+
+def inject(nonfinite: str | None, oom: str | None) -> None:
+    """Patch the trainer: the faults of rank RANK (the torchrun variable; 0 alone)."""
+    rank = int(os.environ.get("RANK", 0))
+    nan_at = {int(n) for r, n in (spec.split(":") for spec in (nonfinite or "").split(",") if spec) if int(r) == rank}
+    oom_rank, oom_from, oom_most = (int(x) for x in oom.split(":")) if oom else (-1, 0, 0)
+    attempt = 0
+    step = asr.trainer.train_step
+    loss = ASRTask.loss
+
+    @functools.wraps(step)
+    def train_step(run, state, *args, **kwargs):
+        nonlocal attempt
+        attempt = state.step + state.skipped_steps + 1
+        return step(run, state, *args, **kwargs)
+
+    @functools.wraps(loss)
+    def faulty_loss(self, model, batch, counts):
+        if rank == oom_rank and attempt >= oom_from and len(batch.ids) > oom_most:
+            raise torch.OutOfMemoryError(f"out of memory (injected by {__file__})")
+        value, sums = loss(self, model, batch, counts)
+        return (value * float("nan") if attempt in nan_at else value), sums
+
+    asr.trainer.train_step = train_step
+    ASRTask.loss = faulty_loss
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nonfinite", metavar="RANK:N[,RANK:N...]")
+    parser.add_argument("--oom", metavar="RANK:N:U")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the asr command line")
+    options = parser.parse_args()
+    inject(options.nonfinite, options.oom)
+    sys.exit(main(options.args[1:] if options.args[:1] == ["--"] else options.args))
