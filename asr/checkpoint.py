@@ -22,7 +22,7 @@ import random
 import re
 import warnings
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,12 +282,15 @@ def _prune(folder: Path, keep_last: int, keep_best: int) -> None:
         f.write(json.dumps([e for e in entries if e["file"] in keep], indent=1))
 
 
-def check_or_save_config(exp: Path, config: dict[str, Any], *, save: bool) -> None:
+def check_or_save_config(exp: Path, config: dict[str, Any], *, save: bool,
+                         complete: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """Refuse to resume into an EXP trained with another config (EXP/config.yaml); when there is
-    none yet, write `config` there if `save` (rank 0)."""
+    none yet, write `config` there if `save` (rank 0). `complete` fills the saved config's missing
+    keys with their defaults, so that a key added to the configs since does not refuse an old EXP."""
     path = exp / "config.yaml"
     if path.is_file():
-        diff = config_diff(read_yaml(path), config)
+        saved = read_yaml(path)
+        diff = config_diff(complete(saved) if complete else saved, config)
         if diff:
             raise TrainingError(f"{exp} was trained with another config; use a new --exp-dir or the same "
                                 f"config. Differences (saved -> now): {'; '.join(diff)}")

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asr.data import Batch
+from asr.dataset import Batch
 from asr.features import FeatureConfig
 from asr.metrics import score
 from asr.model import ctc_feasible

@@ -41,10 +41,12 @@ from asr.checkpoint import (
     save_atomic,
     save_checkpoint,
 )
-from asr.config import load_config, to_dict
-from asr.data import DataConfig, FeatureArchive, FeatureArchiveError, compute_cmvn, make_loader, read_manifest
+from asr.config import ConfigError, from_dict, load_config, to_dict
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
+from asr.feature_archive import FeatureArchive, FeatureArchiveError
 from asr.features import CMVNStats, GlobalCMVN
+from asr.loader import DataConfig, compute_cmvn, make_loader
+from asr.manifest import read_manifest
 from asr.metrics import normalize_text
 from asr.model import ModelConfig, build_model
 from asr.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
@@ -99,6 +101,12 @@ class ExperimentConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
+    def __post_init__(self) -> None:
+        # the model's frame shift is the frontend's (derived, never written twice)
+        shift = self.data.features.frame_shift_ms
+        if self.model.frame_shift_ms != shift:
+            object.__setattr__(self, "model", dataclasses.replace(self.model, frame_shift_ms=shift))
+
 
 # ---------------------------------------------------------------------------------------------
 # the driver
@@ -118,7 +126,7 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
     try:
         with sigterm_stops(ctx, hint), collective_errors(ctx, hint):
             train_utts, valid_utts = read_manifest(train_manifest), read_manifest(valid_manifest)
-            check_or_save_config(exp, to_dict(config), save=ctx.main)
+            check_or_save_config(exp, to_dict(config), save=ctx.main, complete=_completed_config)
             ctx.barrier()
             tokenizer = _tokenizer(exp, config, train_utts, tokenizer_dir, ctx)
             cmvn = _cmvn(exp, config, train_utts, cmvn_path, ctx)
@@ -138,6 +146,15 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
 
 # ---------------------------------------------------------------------------------------------
 # experiment folder, tokenizer, CMVN, loaders, the task
+
+
+def _completed_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved EXP/config.yaml with the keys it lacks at their defaults (as it is, when it no
+    longer reads as a config: the diff then names what changed)."""
+    try:
+        return to_dict(from_dict(ExperimentConfig, saved, source="config.yaml"))
+    except ConfigError:
+        return saved
 
 
 def _tokenizer(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ctx: Context) -> Tokenizer:

@@ -212,3 +212,19 @@ def test_a_saved_config_refuses_another(tmp_path):
     check_or_save_config(tmp_path, {"training": {"lr": 0.1}}, save=True)  # the same: resumes
     with pytest.raises(TrainingError, match=r"trained with another config.*training\.lr"):
         check_or_save_config(tmp_path, {"training": {"lr": 0.5}}, save=False)
+
+
+def test_a_saved_config_without_a_newer_key_still_resumes(tmp_path):
+    """A key added to the configs since an EXP was saved takes its default there, not '<unset>'."""
+    check_or_save_config(tmp_path, {"model": {"d_model": 4}}, save=True)
+    now = {"model": {"d_model": 4, "frame_shift_ms": 10.0}}
+    with pytest.raises(TrainingError, match=r"model\.frame_shift_ms: '<unset>' -> 10\.0"):
+        check_or_save_config(tmp_path, now, save=False)
+
+    def complete(saved):
+        return {"model": {"frame_shift_ms": 10.0, **saved["model"]}}
+
+    check_or_save_config(tmp_path, now, save=False, complete=complete)
+    with pytest.raises(TrainingError, match=r"model\.d_model: 4 -> 8"):
+        check_or_save_config(tmp_path, {"model": {"d_model": 8, "frame_shift_ms": 10.0}}, save=False,
+                             complete=complete)

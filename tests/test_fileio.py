@@ -8,7 +8,7 @@ import pytest
 
 from asr import fileio
 from asr.fileio import TextFileError, atomic_open, numbered_lines, read_table
-from asr.metrics import read_transcripts
+from asr.manifest import read_transcripts
 
 
 def test_atomic_open_writes_text_and_bytes(tmp_path, monkeypatch):
@@ -70,8 +70,9 @@ def test_read_table_and_duplicates(tmp_path):
 
 
 def test_one_reader_for_data_and_metrics(tmp_path):
-    """metrics.read_transcripts (asr wer) and the Kaldi import of asr.data read tables alike."""
-    from asr.data import ManifestError, _read_table
+    """manifest.read_transcripts (asr wer) and the Kaldi import of asr.corpora read tables alike."""
+    from asr.corpora import _read_table
+    from asr.manifest import ManifestError
 
     path = tmp_path / "text"
     path.write_text("u1 HELLO  WORLD\nu2\n")

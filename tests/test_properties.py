@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from asr.data import ManifestError, Utterance, read_manifest, write_manifest
+from asr.manifest import ManifestError, Utterance, read_manifest, write_manifest
 from asr.metrics import normalize_text, score
 from asr.tokenizer import train_tokenizer
 from asr.tokens import FIRST_TOKEN, UNK

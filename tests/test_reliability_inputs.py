@@ -25,8 +25,9 @@ from test_api import speechlike, write_model_file
 
 from asr import cli
 from asr.audio import SAMPLE_RATE, AudioError, iter_blocks, load_audio
-from asr.data import ASRDataset, Example, Skipped, Utterance, collate
+from asr.dataset import ASRDataset, Example, Skipped, collate
 from asr.features import FeatureConfig
+from asr.manifest import Utterance
 from asr.tokenizer import UNK, CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -132,6 +132,28 @@ def test_refuses_resume_with_another_config(tmp_path):
     assert "training.lr" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_an_exp_saved_before_frame_shift_ms_existed_resumes(tmp_path):
+    """EXP/config.yaml of a run before model.frame_shift_ms existed: the same command resumes."""
+    import yaml
+
+    manifest = make_corpus(tmp_path / "data", n=2)
+    exp = tmp_path / "exp"
+    assert asr_train(manifest, exp, "training.max_steps=1", "data.num_workers=0").returncode == 0
+    saved = yaml.safe_load((exp / "config.yaml").read_text())
+    del saved["model"]["frame_shift_ms"]
+    (exp / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    out = asr_train(manifest, exp, "training.max_steps=1", "data.num_workers=0")
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_model_frame_shift_is_the_frontends():
+    from asr.trainer import ExperimentConfig, load_experiment_config
+
+    config = load_experiment_config(str(ROOT / "conf" / "tiny.yaml"), ["data.features.frame_shift_ms=20"])
+    assert config.model.frame_shift_ms == 20.0
+    assert ExperimentConfig().model.frame_shift_ms == 10.0
+
+
 def test_mel_bins_that_disagree_stop_with_one_line(tmp_path):
     """CMVN statistics of another frontend (or a model of other n_mels) are refused before any step."""
     manifest = make_corpus(tmp_path / "data", n=2)

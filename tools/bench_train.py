@@ -60,8 +60,9 @@ import numpy as np
 import torch
 from bench_data import librispeech_durations, write_flacs
 
-from asr.data import Utterance, compute_cmvn, make_loader, read_manifest, write_manifest
 from asr.features import FeatureConfig
+from asr.loader import compute_cmvn, make_loader
+from asr.manifest import Utterance, read_manifest, write_manifest
 from asr.tokenizer import load_tokenizer
 from asr.trainer import ExperimentConfig, load_experiment_config, train
 

@@ -67,7 +67,7 @@ from asr.model import ASRModel, ModelConfig, build_model, count_parameters
 from asr.search import SearchOptions, decode_memory, max_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BATCH_SECONDS = 200.0  # DataConfig.max_batch_seconds (asr.data needs soundfile: not imported here)
+DEFAULT_BATCH_SECONDS = 200.0  # DataConfig.max_batch_seconds (asr.loader needs soundfile: not imported here)
 POOL_UTTERANCES = 4000  # durations drawn; the batches are cut from them
 GRAD_CLIP = 5.0
 LR = 1e-4

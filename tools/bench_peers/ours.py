@@ -1,5 +1,5 @@
 """This toolkit's side of the peer benchmark: asr.model.ASRModel, asr.search's batched beam
-search, the model's joint loss, and asr.data's dataset + collate (the code the training
+search, the model's joint loss, and asr.dataset's dataset + collate (the code the training
 loader's workers run). It imports the working tree's current code and nothing of the peers.
 """
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import spec  # tools/bench_peers/spec.py: bench.py's folder is on sys.path
 import torch
 
-from asr.data import ASRDataset, Utterance, collate, compute_cmvn
+from asr.dataset import ASRDataset, collate
 from asr.features import FeatureConfig, GlobalCMVN
+from asr.loader import compute_cmvn
+from asr.manifest import Utterance
 from asr.model import ASRModel, ModelConfig, count_parameters
 from asr.search import SearchOptions, decode_memory, max_lengths
 
