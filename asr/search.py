@@ -42,8 +42,8 @@ MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
 
 __all__ = [
     "MODES", "RATE_SLACK", "SEARCHES", "BeamSearch", "DecoderScorer", "Hypothesis", "Scorers", "SearchOptions",
-    "attention_greedy", "beam_search", "ctc_greedy", "ctc_rescore", "decode_memory", "length_limits", "max_lengths",
-    "search", "search_nbest", "teacher_forced_scores",
+    "attention_greedy", "beam_search", "check_fields", "ctc_greedy", "ctc_rescore", "decode_memory", "length_limits",
+    "max_lengths", "search", "search_nbest", "teacher_forced_scores",
 ]
 
 
