@@ -198,3 +198,44 @@ def test_running_out_of_memory_splits_the_batch_then_skips_the_utterance(corpus,
     monkeypatch.setattr(asr.decode.DecodingTask, "run", bug)  # a bug is not hidden as a skip
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         decode_manifest(model, manifest, tmp_path / "bug", FAST)
+
+
+def test_every_decoding_option_is_one_definition_reachable_by_key(tmp_path):
+    """DecodingConfig declares the search's and the task's fields once (by inheritance), with one
+    default (beam search), and decoding.key=value and YAML reach every one of them."""
+    import dataclasses
+
+    from asr.decoding import DecodingOptions
+    from asr.search import SearchOptions
+
+    names = [f.name for f in dataclasses.fields(DecodingConfig)]
+    assert len(names) == len(set(names))
+    assert {f.name for f in dataclasses.fields(SearchOptions)} <= {f.name for f in dataclasses.fields(DecodingOptions)}
+    assert SearchOptions().mode == DecodingOptions().mode == DecodingConfig().mode == "attention"
+    values = {"max_rate_factor": "3.5", "pre_beam_ratio": "2.0", "nbest": "2", "lm_word_bonus": "0.5"}
+    config = load_decoding_config(None, [f"decoding.{k}={v}" for k, v in values.items()])
+    assert (config.max_rate_factor, config.pre_beam_ratio, config.nbest, config.lm_word_bonus) == (3.5, 2.0, 2, 0.5)
+    assert config.decoding_options() == DecodingOptions(max_rate_factor=3.5, pre_beam_ratio=2.0, nbest=2,
+                                                        lm_word_bonus=0.5)
+    (tmp_path / "rate.yaml").write_text("max_rate_factor: 0\nmode: greedy\n")
+    assert load_decoding_config(str(tmp_path / "rate.yaml")).decoding_options().max_rate_factor == 0
+
+
+def test_transcribe_reads_the_decoding_config_and_overrides(corpus, tmp_path, capsys):
+    """`asr transcribe --config X.yaml ... decoding.key=value` decodes as the API does with those
+    options; the small search runs on one thread without changing the process's thread count."""
+    from asr import cli
+
+    model, manifest = corpus
+    audio = manifest.parent / "u1.wav"
+    (tmp_path / "greedy.yaml").write_text("mode: greedy\nbatch_size: 4\n")
+    threads = torch.get_num_threads()
+    code = cli.main(["transcribe", "--model", str(model), "--config", str(tmp_path / "greedy.yaml"), str(audio),
+                     "decoding.max_len_ratio=0.3", "decoding.max_rate_factor=0", "--device", "cpu"])
+    assert code == 0 and torch.get_num_threads() == threads
+    want = asr.decode.load_model(model).transcribe(audio, mode="greedy")  # max_len_ratio 1: other lengths
+    short = asr.decode.load_model(model, options=asr.decode.DecodingOptions(mode="greedy", max_len_ratio=0.3,
+                                                                             max_rate_factor=0)).transcribe(audio)
+    assert capsys.readouterr().out == f"{short[0].text}\n" and want[0].text != short[0].text
+    assert cli.main(["transcribe", "--model", str(model), "decoding.beams=3", str(audio)]) == 1
+    assert "unknown key 'beams'" in capsys.readouterr().err
