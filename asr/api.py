@@ -27,12 +27,12 @@ import torch
 from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, to_mono_16k
 from asr.checkpoint import CheckpointError, load_file
 from asr.config import from_dict
+from asr.decoding import DecodingOptions, DecodingTask
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
-from asr.lexicon import Lexicon, LexiconScorer
-from asr.lm import NgramLM, WordLMScorer, rescore
-from asr.metrics import normalize_text
+from asr.lexicon import Lexicon
+from asr.lm import NgramLM
 from asr.model import ASRModel, ModelConfig
-from asr.search import Hypothesis, SearchOptions, decode_memory
+from asr.search import Hypothesis
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
 
 __all__ = ["FORMATS", "Recognizer", "Result", "Segment", "SegmentOptions", "format_results", "load_model",
@@ -95,11 +95,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device {device!r}: {e}") from None
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               options: SearchOptions | None = None) -> Recognizer:
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", options: DecodingOptions | None = None,
+               *, search_threads: int | None = None) -> Recognizer:
     """A Recognizer from a model file written by `asr train` / `asr average` (loaded with
     weights_only=True; a file that is not a usable model raises CheckpointError naming it).
-    `options`: the default decoding of `transcribe` (default: beam search, beam 10, CTC weight 0.3)."""
+    `options`: the default decoding of `transcribe` (default DecodingOptions(): beam search, beam
+    10, CTC weight 0.3); `search_threads`: see asr.decoding.DecodingTask."""
     obj = load_file(path)
     source = os.fspath(path)
     try:
@@ -117,7 +118,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
         raise CheckpointError(f"{source}: {features.n_mels} mel bins in the frontend, {cmvn.mean.numel()} in its "
                               f"CMVN statistics, {config.n_mels} in the model")
     return Recognizer(_model(config, obj["state_dict"], source), tokenizer, features, cmvn,
-                      device=resolve_device(device), options=options)
+                      device=resolve_device(device), options=options, search_threads=search_threads)
 
 
 def _model(config: ModelConfig, state_dict: Any, source: str) -> ASRModel:
@@ -141,14 +142,17 @@ def _model(config: ModelConfig, state_dict: Any, source: str) -> ASRModel:
 
 
 class Recognizer:
-    """A model with its frontend (fbank + CMVN) and tokenizer, ready to decode; eval mode."""
+    """A model with its frontend (fbank + CMVN) and tokenizer, ready to decode; eval mode. It keeps
+    the word lists and LMs it has loaded, and makes the decoding task of a set of options."""
 
     def __init__(self, model: ASRModel, tokenizer: Tokenizer, features: FeatureConfig, cmvn: GlobalCMVN, *,
-                 device: torch.device | None = None, options: SearchOptions | None = None) -> None:
+                 device: torch.device | None = None, options: DecodingOptions | None = None,
+                 search_threads: int | None = None) -> None:
         self.device = device or torch.device("cpu")
         self.model = model.to(self.device).eval()
         self.tokenizer, self.features, self.cmvn = tokenizer, features, cmvn.to(self.device)
-        self.options = options or SearchOptions(mode="attention")
+        self.options = options or DecodingOptions()
+        self.search_threads = search_threads
         self._lexicons: dict[str, tuple[tuple[int, ...] | None, Lexicon]] = {}  # path: (file stamp, compiled)
         self._lms: dict[str, tuple[tuple[int, ...] | None, NgramLM]] = {}  # path: (file stamp, model)
 
@@ -174,71 +178,53 @@ class Recognizer:
         PCM of that format. mode / beam_size / ctc_weight / length_bonus / lexicon (a word list:
         beam search writes only its words; asr.lexicon) / lm, lm_weight (an ARPA word n-gram model
         rescoring the beam; asr.lm) / lm_fusion (the LM inside the search instead; asr.lm.WordLMScorer)
-        / lm_word_bonus (added per word with the LM) override this recognizer's SearchOptions.
+        / lm_word_bonus (added per word with the LM) override this recognizer's DecodingOptions.
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
         `batch_size` at a time.
-        An input that cannot be read gives a Result with `error` set; the others go on."""
+        An input that cannot be read gives a Result with `error` set; the others go on. An error
+        while decoding is not an input's: it is raised."""
         segmentation = segmentation or SegmentOptions()
         overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus,
                      "lexicon": None if lexicon is None else os.fspath(lexicon),
                      "lm": None if lm is None else os.fspath(lm), "lm_weight": lm_weight, "lm_fusion": lm_fusion,
                      "lm_word_bonus": lm_word_bonus}
         options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        if options.lexicon:  # a bad word list or LM fails here, before any audio is read
-            self.lexicon(options.lexicon)
-        if options.lm:
-            self.language_model(options.lm)
+        task = self.task(options)  # a bad word list or LM fails here, before any audio is read
         inputs = _as_list(audio)
         jobs = [_Job(os.fspath(item) if isinstance(item, (str, os.PathLike)) else None) for item in inputs]
-        batches = _Batches(self, options, jobs, batch_size)
+        batches = _Batches(self, task, jobs, batch_size)
         for index, item in enumerate(inputs):
-            try:
-                for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds), segmentation):
-                    jobs[index].samples = start + wave.numel()
-                    batches.add(index, start, wave, _has_speech(wave, segmentation.speech_db))
-            except _INPUT_ERRORS as e:
-                jobs[index].error = str(e) if isinstance(e, AudioError) else f"{jobs[index].path or '<waveform>'}: {e}"
+            pieces = self._pieces(item, raw, segmentation)
+            while (piece := _next_piece(pieces, jobs[index])) is not None:
+                batches.add(index, *piece)  # may decode a full batch: its errors are not this input's
+            if jobs[index].error is not None:
                 batches.drop(index)
         batches.flush()
         return [job.result() for job in jobs]
+
+    def _pieces(self, item: AudioInput, raw: RawFormat | None,
+                segmentation: SegmentOptions) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+        """(first sample, samples, features; None when it holds no speech) of each segment of an input."""
+        for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds), segmentation):
+            yield start, wave.numel(), self.feats(wave) if _has_speech(wave, segmentation.speech_db) else None
 
     def feats(self, wave: torch.Tensor) -> torch.Tensor:
         """(T,) 16 kHz waveform -> (frames, n_mels) normalized features on the device."""
         return self.cmvn(fbank(wave.to(self.device), self.features))
 
-    @torch.no_grad()
-    def decode(self, feats: Sequence[torch.Tensor], options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
-        """n-best of each of the utterances' features (T_i, n_mels); those too short for one
-        encoder frame get the empty hypothesis without decoding. With options.lm, beam search
-        returns its whole beam and the LM rescores it (asr.lm.rescore); the scores are then the
-        rescored ones."""
-        out: list[tuple[Hypothesis, ...]] = [(Hypothesis((), 0.0),)] * len(feats)
-        minimum = self.model.encoder.subsampling.receptive_field
-        usable = [i for i, f in enumerate(feats) if f.size(0) >= minimum]
-        if usable:
-            lens = torch.tensor([feats[i].size(0) for i in usable], device=self.device)
-            padded = torch.nn.utils.rnn.pad_sequence([feats[i] for i in usable], batch_first=True)  # (B, T, D)
-            memory, memory_lens = self.model.encoder(padded, lens)
-            constraint = LexiconScorer(self.lexicon(options.lexicon)) if options.lexicon else None
-            lm = self.language_model(options.lm) if options.lm else None
-            if lm is not None and options.lm_fusion:  # scored inside the search: nothing to rescore
-                fused = WordLMScorer.for_tokenizer(lm, self.tokenizer, weight=options.lm_weight,
-                                                   word_bonus=options.lm_word_bonus)
-                for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, options, constraint, fused)):
-                    out[i] = nbest
-                return out
-            search = dataclasses.replace(options, nbest=options.beam_size) if lm else options
-            for i, nbest in zip(usable, decode_memory(self.model, memory, memory_lens, search, constraint)):
-                out[i] = self._rescore(nbest, lm, options) if lm else nbest
-        return out
+    def task(self, options: DecodingOptions | None = None) -> DecodingTask:
+        """The decoding task of `options` (default: this recognizer's) with this model, its word
+        list and LM loaded (LexiconError / LMError when they cannot be read or used)."""
+        options = options or self.options
+        return DecodingTask(self.model, self.tokenizer, options,
+                            lexicon=self.lexicon(options.lexicon) if options.lexicon else None,
+                            lm=self.language_model(options.lm) if options.lm else None,
+                            search_threads=self.search_threads)
 
-    def _rescore(self, nbest: tuple[Hypothesis, ...], lm: NgramLM, options: SearchOptions) -> tuple[Hypothesis, ...]:
-        """The best options.nbest of `nbest` after adding options.lm_weight * ln P_LM(words) +
-        options.lm_word_bonus * len(words)."""
-        words = [normalize_text(self.text(h.tokens)).split() for h in nbest]
-        best = rescore([(w, h.score) for w, h in zip(words, nbest)], lm, options.lm_weight, options.nbest,
-                       options.lm_word_bonus)
-        return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
+    def decode(self, feats: Sequence[torch.Tensor],
+               options: DecodingOptions | None = None) -> list[tuple[Hypothesis, ...]]:
+        """n-best of each of the utterances' features (T_i, n_mels): `self.task(options).run(feats)`."""
+        return self.task(options).run(feats)
 
     def lexicon(self, path: str | os.PathLike) -> Lexicon:
         """The word list at `path` compiled for this model's tokenizer: once per path, and again when
@@ -291,18 +277,32 @@ class _Job:
         return Result(self.path, " ".join(texts), tokens, score, segments, self.samples / SAMPLE_RATE)
 
 
+def _next_piece(pieces: Iterator[tuple[int, int, torch.Tensor | None]],
+                job: _Job) -> tuple[int, int, torch.Tensor | None] | None:
+    """The next segment of the input of `job`; None at its end, or when it cannot be read (the
+    job's error then says why)."""
+    try:
+        piece = next(pieces, None)
+    except _INPUT_ERRORS as e:
+        job.error = str(e) if isinstance(e, AudioError) else f"{job.path or '<waveform>'}: {e}"
+        return None
+    if piece is not None:
+        job.samples = piece[0] + piece[1]
+    return piece
+
+
 class _Batches:
     """Segments waiting to be decoded, `size` at a time; results go to their jobs in order."""
 
-    def __init__(self, recognizer: Recognizer, options: SearchOptions, jobs: list[_Job], size: int) -> None:
+    def __init__(self, recognizer: Recognizer, task: DecodingTask, jobs: list[_Job], size: int) -> None:
         if size < 1:
             raise ValueError(f"batch_size must be at least 1, got {size}")
-        self.recognizer, self.options, self.jobs, self.size = recognizer, options, jobs, size
+        self.recognizer, self.task, self.jobs, self.size = recognizer, task, jobs, size
         self.waiting: list[tuple[int, int, int, torch.Tensor | None]] = []  # (job, start, samples, features)
 
-    def add(self, job: int, start: int, wave: torch.Tensor, speech: bool) -> None:
-        feats = self.recognizer.feats(wave) if speech else None  # no speech: "" without decoding
-        self.waiting.append((job, start, wave.numel(), feats))
+    def add(self, job: int, start: int, samples: int, feats: torch.Tensor | None) -> None:
+        """A segment of `job`: its first sample, length, and features (None: no speech, "" without decoding)."""
+        self.waiting.append((job, start, samples, feats))
         if sum(f is not None for *_, f in self.waiting) >= self.size:
             self.flush()
 
@@ -310,13 +310,17 @@ class _Batches:
         self.waiting = [w for w in self.waiting if w[0] != job]
 
     def flush(self) -> None:
-        decoded = iter(self.recognizer.decode([f for *_, f in self.waiting if f is not None], self.options))
-        for job, start, samples, feats in self.waiting:
+        """Decode the waiting segments; they leave the queue first, so a failed decode (raised)
+        leaves nothing half done to decode again."""
+        waiting, self.waiting = self.waiting, []
+        decoded = iter(self.task.run([f for *_, f in waiting if f is not None]))
+        pieces = []
+        for job, start, samples, feats in waiting:
             hyp = next(decoded)[0] if feats is not None else Hypothesis((), 0.0)
-            text = self.recognizer.text(hyp.tokens)
-            segment = Segment(start / SAMPLE_RATE, (start + samples) / SAMPLE_RATE, text)
-            self.jobs[job].pieces.append((segment, hyp))
-        self.waiting = []
+            segment = Segment(start / SAMPLE_RATE, (start + samples) / SAMPLE_RATE, self.recognizer.text(hyp.tokens))
+            pieces.append((job, (segment, hyp)))
+        for job, piece in pieces:
+            self.jobs[job].pieces.append(piece)
 
 
 def _as_list(audio: AudioInput | Sequence[AudioInput]) -> list[AudioInput]:

@@ -9,6 +9,9 @@ import sys
 import traceback
 from pathlib import Path
 
+# the search modes (asr.search.MODES, which imports torch: `asr --help` does not wait for it)
+MODES = ["attention", "ctc_greedy", "ctc_rescore", "greedy"]
+
 # ---------------------------------------------------------------------------------------------
 # handlers
 
@@ -138,7 +141,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
                                   ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device)
-    wer = decode_manifest(args.model, args.manifest, args.out_dir, config)
+    wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads))
     print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt")
     print(format_wer(wer))
     return 0
@@ -147,18 +150,26 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_transcribe(args: argparse.Namespace) -> int:
     from asr.api import format_results, load_model
     from asr.audio import RawFormat
+    from asr.decode import load_decoding_config
 
     raw = None
     if args.raw_rate:
         raw = RawFormat(sample_rate=args.raw_rate, subtype=args.raw_format, channels=args.raw_channels)
+    overrides = [a for a in args.audio if _is_override(a)]
+    audio = [a for a in args.audio if not _is_override(a)]
+    if not audio:
+        raise ValueError("no AUDIO to transcribe")
+    flags = {"mode": args.mode, "beam_size": args.beam_size, "lexicon": args.lexicon, "lm": args.lm,
+             "device": args.device}
     given = [flag for flag, used in (("--lm-weight", args.lm_weight is not None), ("--lm-fusion", args.lm_fusion),
                                      ("--lm-word-bonus", args.lm_word_bonus is not None)) if used]
-    if given and not args.lm:
+    if given and not load_decoding_config(args.config, overrides, **flags).lm:
         raise ValueError(f"{given[0]} needs --lm LM.arpa")
-    recognizer = load_model(args.model, device=args.device or "auto")
-    results = recognizer.transcribe(args.audio, beam_size=args.beam_size, mode=args.mode, lexicon=args.lexicon,
-                                    lm=args.lm, lm_weight=args.lm_weight, lm_fusion=args.lm_fusion or None,
-                                    lm_word_bonus=args.lm_word_bonus, raw=raw)
+    config = load_decoding_config(args.config, overrides, **flags, lm_weight=args.lm_weight,
+                                  lm_fusion=args.lm_fusion or None, lm_word_bonus=args.lm_word_bonus)
+    recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
+                            search_threads=_threads(args.threads))
+    results = recognizer.transcribe(audio, raw=raw)
     sys.stdout.write(format_results(results, args.format))
     failed = [r for r in results if r.error is not None]
     for r in failed:
@@ -170,6 +181,27 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # the parser
+
+
+def _is_override(text: str) -> bool:
+    """`decoding.key=value` among transcribe's AUDIO arguments."""
+    return text.startswith("decoding.") and "=" in text
+
+
+def _threads(count: int | None) -> int | None:
+    """The thread policy of decode and transcribe (THREADS_HELP): --threads N sets torch's intra-op
+    threads for the process; without it, small searches run on one thread (the search_threads of
+    asr.decoding.DecodingTask)."""
+    if count is None:
+        return 1
+    import torch
+
+    torch.set_num_threads(count)
+    return None
+
+
+THREADS_HELP = ("CPU threads of torch's operators for the whole run (default: torch's, and 1 for a search of "
+                "at most 16 hypotheses, utterances x beam, whose operators are too small to share)")
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -261,28 +293,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="MODEL.pt")
     p.add_argument("--manifest", required=True, metavar="TEST.jsonl")
     p.add_argument("--out-dir", required=True, metavar="DIR")
-    p.add_argument("--config", metavar="conf/decode/X.yaml")
-    p.add_argument("--mode", choices=["attention", "ctc_greedy", "ctc_rescore", "greedy"])
+    p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (asr.decode.DecodingConfig)")
+    p.add_argument("--mode", choices=MODES)
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--ctc-weight", type=float, metavar="W")
     p.add_argument("--batch-size", type=int, metavar="B")
     p.add_argument("--device", metavar="D")
-    p.add_argument("overrides", nargs="*", metavar="decoding.key=value")
+    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+    p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
+                   help="any field of asr.decode.DecodingConfig, after --config")
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("transcribe", help="transcribe audio files with a model file")
     p.add_argument("--model", required=True, metavar="MODEL.pt")
-    p.add_argument("audio", nargs="+", metavar="AUDIO")
+    p.add_argument("audio", nargs="+", metavar="AUDIO",
+                   help="audio files; decoding.key=value items among them set any decoding option, after --config")
     p.add_argument("--format", choices=["txt", "json", "srt"], default="txt")
+    p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (its batching is not used)")
     p.add_argument("--beam-size", type=int, metavar="N")
-    p.add_argument("--mode", choices=["attention", "ctc_greedy", "ctc_rescore", "greedy"])
+    p.add_argument("--mode", choices=MODES)
     p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
     p.add_argument("--lm", metavar="LM.arpa", help="rescore the beam with this word n-gram model ('asr lm')")
-    p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default 0.3)")
+    p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default: decoding.lm_weight's)")
     p.add_argument("--lm-fusion", action="store_true", help="the LM inside the search, not rescoring")
     p.add_argument("--lm-word-bonus", type=float, metavar="B",
-                   help="added per word with the LM, against its cost of each word (default 0)")
+                   help="added per word with the LM, against its cost of each word (default: decoding.lm_word_bonus's)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",
                    help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")

@@ -11,20 +11,19 @@ being exactly h (Watanabe et al. 2017, "Hybrid CTC/attention architecture for en
 recognition", Algorithm 2). Frames at or past an utterance's length are padding that emits blank
 with probability 1, which changes no probability, so utterances of any lengths share a batch.
 
-Imports nothing of ours (asr.search's Selection for type hints only): the search hands in the
-CTC head and the token ids.
+Imports nothing of ours but the scorer protocol (asr.scorer): the search hands in the CTC head
+and the token ids.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from asr.search import Selection
+from asr.scorer import Selection
 
 __all__ = ["LOG_ZERO", "CTCPrefixScorer", "CTCPrefixState", "PrefixBeams", "padded_log_probs", "prefix_beam_search"]
 
@@ -59,7 +58,7 @@ class CTCPrefixState:
 
 class CTCPrefixScorer:
     """CTC prefix scores of candidate tokens: a partial scorer of the batch-first protocol in
-    asr.search (init_state, score_partial, select_state, final_score).
+    asr.scorer (init_state, score_partial, select_state, final_score).
 
     `ctc_log_probs` maps the encoder output (B, T, d) to CTC log-probabilities (B, T, V); the
     candidates it scores are never blank.
@@ -97,7 +96,7 @@ class CTCPrefixScorer:
 
     def select_state(self, state: CTCPrefixState, selection: Selection) -> CTCPrefixState:
         """The hypotheses selection.rows[i] + selection.tokens[i] (R',), each token one of its
-        row's last candidates (see asr.search.Selection; the other fields are not needed here)."""
+        row's last candidates (see asr.scorer.Selection; the other fields are not needed here)."""
         rows, tokens = selection.rows, selection.tokens
         column = (state.candidates[rows] == tokens[:, None]).int().argmax(dim=1)  # (R',)
         prefix = state.candidate_prefix[rows].gather(1, column[:, None])[:, 0]

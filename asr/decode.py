@@ -33,9 +33,9 @@ from tqdm import tqdm
 from asr.api import Recognizer, load_model
 from asr.config import ConfigError, load_config, to_dict
 from asr.data import ASRDataset, Batch, Example, Skipped, Utterance, collate, read_manifest, split_skipped
+from asr.decoding import DecodingOptions, DecodingTask
 from asr.fileio import atomic_open
 from asr.metrics import ErrorStats, format_errors, format_summary, normalize_text, score
-from asr.search import SearchOptions
 
 __all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config"]
 
@@ -46,46 +46,33 @@ _JOURNAL_FORMAT = "asr-decode-journal"
 
 
 @dataclass(frozen=True)
-class DecodingConfig:
-    """What `asr decode` does: the search (see asr.search.SearchOptions) and the batching.
-    conf/decode/*.yaml hold these fields at the top level."""
+class DecodingConfig(DecodingOptions):
+    """What `asr decode` and `asr transcribe` read: the decoding (asr.decoding.DecodingOptions:
+    the search, the lexicon, the LM) and, for `asr decode`, the batching and the device.
+    conf/decode/*.yaml hold these fields at the top level; nbest hypotheses per utterance go to
+    the journal, the best to hyp.txt."""
 
-    mode: str = "attention"  # one of asr.search.MODES
-    beam_size: int = 10
-    ctc_weight: float = 0.3
-    length_bonus: float = 0.0
-    max_len_ratio: float = 1.0
-    pre_beam_ratio: float = 1.5
-    nbest: int = 1  # hypotheses kept per utterance (the journal holds them; hyp.txt the best)
-    lexicon: str = ""  # a word list, one word per line: beam search writes only its words (asr.lexicon)
-    lm: str = ""  # an ARPA word n-gram model (`asr lm`) rescoring the beam's ended hypotheses (asr.lm)
-    lm_weight: float = 0.3  # search score + lm_weight * ln P_LM(words)
-    lm_fusion: bool = False  # the LM scores each word inside the search (asr.lm.WordLMScorer), not the ended beam
-    lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word (offsets the LM's cost of each word)
     batch_size: int = 32  # utterances per batch at most
     max_batch_seconds: float = 600.0  # padded seconds (longest x count) per batch at most
     num_workers: int = 2  # processes reading audio and computing features
     device: str = "auto"  # auto: cuda when available, else cpu
 
     def __post_init__(self) -> None:
-        self.search_options()  # validates the search fields
+        super().__post_init__()
         for name, ok in (("batch_size", self.batch_size >= 1), ("max_batch_seconds", self.max_batch_seconds > 0),
                          ("num_workers", self.num_workers >= 0)):
             if not ok:
                 raise ValueError(f"decoding.{name} = {getattr(self, name)!r} must be positive")
 
-    def search_options(self) -> SearchOptions:
-        return SearchOptions(mode=self.mode, beam_size=self.beam_size, ctc_weight=self.ctc_weight,
-                             length_bonus=self.length_bonus, max_len_ratio=self.max_len_ratio,
-                             pre_beam_ratio=self.pre_beam_ratio, nbest=self.nbest, lexicon=self.lexicon,
-                             lm=self.lm, lm_weight=self.lm_weight, lm_fusion=self.lm_fusion,
-                             lm_word_bonus=self.lm_word_bonus)
+    def decoding_options(self) -> DecodingOptions:
+        """The decoding fields alone (what the results depend on)."""
+        return DecodingOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingOptions)})
 
 
 def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_values: Any) -> DecodingConfig:
-    """Defaults, then the YAML file `path` (None: none), then `decoding.key=value` overrides, then
-    the command-line values given (mode=, beam_size=, ctc_weight=, batch_size=, device=; None
-    keeps). Unknown keys and bad values raise ConfigError naming them."""
+    """Defaults, then the YAML file `path` (None: none), then `decoding.key=value` overrides (any
+    field), then the command-line values given (a field's name = value; None keeps). Unknown keys
+    and bad values raise ConfigError naming them."""
     keys = []
     for item in overrides:
         key, sep, _ = item.partition("=")
@@ -104,14 +91,15 @@ def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_
 
 
 def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathLike, out_dir: str | os.PathLike,
-                    config: DecodingConfig) -> dict[str, Any]:
+                    config: DecodingConfig, *, search_threads: int | None = None) -> dict[str, Any]:
     """Decode every utterance of the manifest (resuming from out_dir's journal), write hyp.txt,
     ref.txt, wer.json and errors.txt into out_dir, and return the wer.json dict. Progress and the
     real-time factor go to stderr. A malformed manifest raises ManifestError (file:line) before
     anything is decoded; a bad model file CheckpointError, a bad word list LexiconError, a bad LM
-    file LMError."""
+    file LMError. `search_threads`: see asr.decoding.DecodingTask."""
     utts = read_manifest(manifest_path)
-    recognizer = load_model(model_path, device=config.device, options=config.search_options())
+    recognizer = load_model(model_path, device=config.device, options=config.decoding_options(),
+                            search_threads=search_threads)
     if config.lexicon:
         lexicon = recognizer.lexicon(config.lexicon)
         unspellable = f" ({lexicon.unspellable} the tokenizer cannot spell, left out)" if lexicon.unspellable else ""
@@ -130,7 +118,7 @@ def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathL
     if len(todo) < len(utts):
         print(f"decode: resuming, {len(utts) - len(todo)} of {len(utts)} utterances already decoded", file=sys.stderr)
     with journal:
-        _decode(recognizer, todo, config, journal)
+        _decode(recognizer, recognizer.task(), todo, config, journal)
     return _write_outputs(out, utts, journal.records, config)
 
 
@@ -145,21 +133,22 @@ def format_wer(wer: dict[str, Any]) -> str:
 # decoding
 
 
-def _decode(recognizer: Recognizer, utts: list[Utterance], config: DecodingConfig, journal: _Journal) -> None:
+def _decode(recognizer: Recognizer, task: DecodingTask, utts: list[Utterance], config: DecodingConfig,
+            journal: _Journal) -> None:
     """Decode `utts` in batches of similar durations, longest first, appending to the journal."""
     if not utts:
         return
     dataset = ASRDataset(utts, None, features=recognizer.features)
     batches = duration_batches([u.duration for u in utts], config.batch_size, config.max_batch_seconds)
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=_collate, num_workers=config.num_workers)
-    options, seconds = config.search_options(), {u.id: u.duration for u in utts}
+    seconds = {u.id: u.duration for u in utts}
     audio, start = 0.0, time.perf_counter()
     with tqdm(total=len(utts), desc="decode", unit="utt", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
         for batch, skipped in loader:
             records = [{"id": utt_id, "text": "", "score": None, "skipped": reason} for utt_id, reason in skipped]
             for utt_id, reason in skipped:
                 log.warning("%s: %s; skipped (empty hypothesis)", utt_id, reason)
-            records += _decode_within_memory(recognizer, batch, options)
+            records += _decode_within_memory(recognizer, task, batch)
             journal.append(records)
             audio += sum(seconds[r["id"]] for r in records)
             bar.update(len(records))
@@ -170,12 +159,12 @@ def _decode(recognizer: Recognizer, utts: list[Utterance], config: DecodingConfi
           file=sys.stderr)
 
 
-def _decode_within_memory(recognizer: Recognizer, batch: Batch, options: SearchOptions) -> list[dict[str, Any]]:
+def _decode_within_memory(recognizer: Recognizer, task: DecodingTask, batch: Batch) -> list[dict[str, Any]]:
     """The records of `_decode_batch`; a batch that runs out of memory is decoded one utterance at
     a time, and an utterance that does not fit alone is an empty hypothesis (reported, counted in
     "skipped"), so that a rerun does not stop at it again."""
     try:
-        return _decode_batch(recognizer, batch, options)
+        return _decode_batch(recognizer, task, batch)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not _out_of_memory(e):
             raise
@@ -184,7 +173,7 @@ def _decode_within_memory(recognizer: Recognizer, batch: Batch, options: SearchO
         log.warning("%s: out of memory even alone (%s); skipped (empty hypothesis)", batch.ids[0], reason)
         return [{"id": batch.ids[0], "text": "", "score": None, "skipped": f"out of memory ({reason})"}]
     log.warning("a batch of %d utterances ran out of memory; decoding them one at a time", len(batch.ids))
-    return [r for i in range(len(batch.ids)) for r in _decode_within_memory(recognizer, _row(batch, i), options)]
+    return [r for i in range(len(batch.ids)) for r in _decode_within_memory(recognizer, task, _row(batch, i))]
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -199,15 +188,15 @@ def _row(batch: Batch, i: int) -> Batch:
                  batch.tokens[i:i + 1, :tokens], batch.token_lens[i:i + 1])
 
 
-def _decode_batch(recognizer: Recognizer, batch: Batch, options: SearchOptions) -> list[dict[str, Any]]:
+def _decode_batch(recognizer: Recognizer, task: DecodingTask, batch: Batch) -> list[dict[str, Any]]:
     if not batch.ids:
         return []
     feats = recognizer.cmvn(batch.feats.to(recognizer.device))  # (B, T, D); padding is never read
-    found = recognizer.decode([f[:n] for f, n in zip(feats, batch.feat_lens.tolist())], options)
+    found = task.run([f[:n] for f, n in zip(feats, batch.feat_lens.tolist())])
     records = []
     for utt_id, nbest in zip(batch.ids, found):
         record = {"id": utt_id, "text": recognizer.text(nbest[0].tokens), "score": _json_number(nbest[0].score)}
-        if options.nbest > 1:
+        if task.options.nbest > 1:
             record["nbest"] = [{"text": recognizer.text(h.tokens), "score": _json_number(h.score)} for h in nbest]
         records.append(record)
     return records
@@ -247,7 +236,7 @@ def _header(model_path: str | os.PathLike, manifest_path: str | os.PathLike, con
     stat = model.stat()
     header = {"format": _JOURNAL_FORMAT, "model": str(model), "model_size": stat.st_size,
               "model_mtime_ns": stat.st_mtime_ns, "manifest": str(Path(manifest_path).resolve()),
-              "search": to_dict(config.search_options())}
+              "search": to_dict(config.decoding_options())}
     for name in ("lexicon", "lm"):
         if getattr(config, name):
             path = Path(getattr(config, name)).resolve()
@@ -312,7 +301,7 @@ def _write_outputs(out: Path, utts: list[Utterance], records: dict[str, dict[str
         with atomic_open(out / name) as f:
             f.writelines(f"{utt_id} {texts[utt_id]}".rstrip() + "\n" for utt_id in sorted(texts))
     wer = report.stats.to_dict(skipped=sum(bool(records[u.id].get("skipped")) for u in utts))
-    wer["decoding"] = to_dict(config.search_options())
+    wer["decoding"] = to_dict(config.decoding_options())
     with atomic_open(out / "wer.json") as f:
         f.write(json.dumps(wer, indent=2) + "\n")
     with atomic_open(out / "errors.txt") as f:

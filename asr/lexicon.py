@@ -15,29 +15,25 @@ Transitions are held as sorted keys (state * V + token), so a state's transition
 them: a step gathers each row's run (at most a few keys for nearly every state) into its (V,)
 mask, and the few states with many transitions (the start, `sp`, short prefixes) keep dense rows
 of their allowed tokens (DENSE_BYTES at most). No host synchronization; memory is O(E) plus the
-dense rows, whatever V is. `advance` looks each row's chosen token up by binary search. Measured
-on one CPU thread (2026-11-30, `tools/bench_lexicon.py`): 94,000 invented words against 5,002 BPE
-tokens compile in 2.4 s into 691,295 transitions and 3,230 dense rows (15 MB); the masks of 640
-rows (32 utterances x beam 20) take 3.4 ms a step, against 99 ms for a binary search of every
-(state, token) pair, the earlier way (20 rows: 0.18 against 2.5 ms).
+dense rows, whatever V is (a binary search of every (state, token) pair costs tens of times more
+a step); `advance` looks each row's chosen token up by binary search. `tools/bench_lexicon.py`
+measures compiling and the masks.
 
     lexicon = Lexicon.from_file("words.txt", tokenizer)   # one word per line, first field
-    options = SearchOptions(mode="attention", lexicon="words.txt")  # with Recognizer.decode
+    options = DecodingOptions(lexicon="words.txt")          # asr.decoding: the task compiles it
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from asr.metrics import normalize_text
+from asr.scorer import Selection
 from asr.tokenizer import SPACE, Tokenizer
-
-if TYPE_CHECKING:
-    from asr.search import Selection
+from asr.tokens import real_tokens
 
 __all__ = ["Lexicon", "LexiconError", "LexiconScorer", "read_words"]
 
@@ -148,7 +144,7 @@ class Lexicon:
         """The word list at `path` (read_words) compiled for `tokenizer`; LexiconError when none
         of its words can be spelled by the tokenizer's pieces."""
         pieces: list[str | None] = [None] * tokenizer.vocab_size
-        for t in range(2, tokenizer.vocab_size - 1):  # FIRST_TOKEN .. before sos/eos
+        for t in real_tokens(tokenizer.vocab_size):
             pieces[t] = tokenizer.piece(t)
         lexicon = cls(read_words(path), pieces, eos=tokenizer.eos)
         if lexicon.num_words == 0:

@@ -1,8 +1,7 @@
 """Word n-gram language models: trained on transcripts (interpolated Kneser-Ney), read and written
 as ARPA files (gzip-compressed when the name ends in .gz), and used to rescore the beam search's
-n-best lists. Pure Python: on the development machine (`python tools/bench_lm.py`, 2026-12-01) a
-trigram of 2.99M n-grams trained from 3M words in ~17 s (1.3 GB at the peak), was read back in
-8.5 s into ~670 MB, and scored ~35,000 sentences a second: fine for LMs of a few million n-grams.
+n-best lists. Pure Python, fine for LMs of a few million n-grams (`python tools/bench_lm.py`
+measures training, reading and scoring).
 
 An NgramLM holds, per order k, the log10 probability of every k-gram it knows and the log10
 backoff weight of every (k)-gram that is a context, as an ARPA file does; the probability of a
@@ -20,7 +19,7 @@ interpolated model: a seen n-gram stores its interpolated probability and a cont
 weight is its interpolation weight. Lower orders count distinct left contexts, not occurrences,
 except for n-grams that begin with <s> (nothing precedes <s>), as KenLM does.
 
-Rescoring (Recognizer.decode, when decoding.lm is set): beam search returns its whole beam of
+Rescoring (asr.decoding.DecodingTask, when decoding.lm is set): beam search returns its whole beam of
 ended hypotheses; each one's score becomes search score + lm_weight * ln P_LM(words, </s>) +
 lm_word_bonus * len(words); the best `nbest` of them, by that score, are the result. The word
 bonus offsets what each word costs in ln P_LM, which otherwise favours hypotheses that drop words
@@ -45,16 +44,15 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 import torch
 
 from asr.fileio import atomic_open
 from asr.metrics import normalize_text
+from asr.scorer import Selection
 from asr.tokenizer import SPACE, Tokenizer
-
-if TYPE_CHECKING:
-    from asr.search import Selection
+from asr.tokens import real_tokens
 
 __all__ = ["BOS", "EOS", "UNK", "LMError", "NgramLM", "WordLMScorer", "rescore", "train_ngram"]
 
@@ -313,7 +311,7 @@ _State = tuple[list, list, "torch.Tensor | None"]
 
 class WordLMScorer:
     """A word LM inside beam search (shallow fusion at word ends), as a PartialScorer
-    (asr.search): a candidate token whose piece begins a new word (starts with the word separator,
+    (asr.scorer): a candidate token whose piece begins a new word (starts with the word separator,
     sentencepiece's "▁") ends the word the hypothesis was spelling, and scores
     weight * ln P(that word | the words before) + word_bonus; other tokens score 0; ending
     (`final_score`, added to the eos candidate and to a hypothesis cut at the length limit) scores
@@ -333,9 +331,9 @@ class WordLMScorer:
     @classmethod
     def for_tokenizer(cls, lm: NgramLM, tokenizer: Tokenizer, *, weight: float = 1.0,
                       word_bonus: float = 0.0) -> WordLMScorer:
-        """The scorer for `tokenizer`'s pieces (ids 2 .. vocab_size - 2 spell text, as asr.lexicon reads them)."""
-        size = tokenizer.vocab_size
-        return cls(lm, [tokenizer.piece(t) if 2 <= t < size - 1 else None for t in range(size)], eos=tokenizer.eos,
+        """The scorer for `tokenizer`'s pieces (the real tokens spell text, as asr.lexicon reads them)."""
+        size, spelling = tokenizer.vocab_size, real_tokens(tokenizer.vocab_size)
+        return cls(lm, [tokenizer.piece(t) if t in spelling else None for t in range(size)], eos=tokenizer.eos,
                    weight=weight, word_bonus=word_bonus)
 
     def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> _State:

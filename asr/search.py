@@ -20,41 +20,41 @@ data (tokens per second, ModelConfig.tokens_per_second), ceil(max_rate_factor * 
 RATE_SLACK: a model that fails to end (a degenerate or badly matched one) then stops at a few
 times the length it was trained on rather than at one token per encoder frame. A hypothesis cut
 there ends without being charged for an eos (as in ESPnet and in greedy search), so its terms are
-log P_att(y) and the CTC prefix probability of y. With a language model (SearchOptions.lm;
-Recognizer.decode) the beam's ended hypotheses are rescored by adding lm_weight * ln P_LM(words)
-+ lm_word_bonus * len(words) to that score (asr.lm); with SearchOptions.lm_fusion the same terms
-are added inside the search, word by word, by a partial scorer (asr.lm.WordLMScorer).
+log P_att(y) and the CTC prefix probability of y. A decoding task (asr.decoding) adds its own
+scorers to beam search by name, with their weights (`Scorers`): a lexicon's constraint, a word
+LM fused into the search; LM rescoring of the ended beam happens there too, after the search.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from asr.ctc_prefix import CTCPrefixScorer, prefix_beam_search
 from asr.model import ASRModel, DecoderCache, TransformerDecoder
-from asr.model.asr_model import BLANK
+from asr.model.decoder import ReorderPlan  # temporary: `from asr.model import ReorderPlan` at integration
+from asr.scorer import FullScorer, PartialScorer, Selection
+from asr.tokens import BLANK
 
 MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
 
 __all__ = [
-    "MODES", "RATE_SLACK", "SEARCHES", "BeamSearch", "DecoderScorer", "FullScorer", "Hypothesis", "PartialScorer",
-    "SearchOptions", "Selection", "attention_greedy", "beam_search", "ctc_greedy", "ctc_rescore", "decode_memory",
-    "length_limits", "max_lengths", "search", "search_nbest", "teacher_forced_scores",
+    "MODES", "RATE_SLACK", "SEARCHES", "BeamSearch", "DecoderScorer", "Hypothesis", "Scorers", "SearchOptions",
+    "attention_greedy", "beam_search", "check_fields", "ctc_greedy", "ctc_rescore", "decode_memory", "length_limits",
+    "max_lengths", "search", "search_nbest", "teacher_forced_scores",
 ]
 
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """How to decode; validated once, here. `greedy` and `ctc_greedy` read only the length limits.
-    The other fields' defaults are the recommended beam search: SearchOptions(mode="attention")."""
+    """How to search; validated once, here. The defaults are the recommended decoding: joint
+    CTC/attention beam search, beam 10. `greedy` and `ctc_greedy` read only the length limits.
+    asr.decoding.DecodingOptions adds what a decoding task does around the search (lexicon, LM)."""
 
-    mode: str = "greedy"  # greedy: the decoder's best token at each step (what training validates
-    # with); attention: beam search, joint with CTC when ctc_weight > 0; ctc_greedy: the best CTC
+    mode: str = "attention"  # attention: beam search, joint with CTC when ctc_weight > 0; greedy: the
+    # decoder's best token at each step (what training validates with); ctc_greedy: the best CTC
     # path; ctc_rescore: CTC prefix beam search, its beam_size prefixes rescored by the decoder
     beam_size: int = 10
     ctc_weight: float = 0.3  # weight of the CTC score; the decoder's is 1 - ctc_weight
@@ -64,13 +64,6 @@ class SearchOptions:
     # when the model knows that rate; 0 = no such cap
     pre_beam_ratio: float = 1.5  # CTC scores the int(ratio * beam_size) best tokens of the decoder + eos
     nbest: int = 1  # hypotheses returned per utterance, at most beam_size
-    lexicon: str = ""  # a word list (asr.lexicon): beam search writes only its words; "" = any text
-    lm: str = ""  # an ARPA word n-gram model (asr.lm) rescoring the beam's ended hypotheses; "" = none
-    lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words) (applied by Recognizer.decode)
-    lm_fusion: bool = False  # the LM scores each word inside the search as it ends (asr.lm.WordLMScorer)
-    # instead of rescoring the ended hypotheses
-    lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word, beside lm_weight * ln P_LM(words)
-    # (each word costs -ln P of the LM, so without it the LM favours dropping words); unused without lm
 
     def __post_init__(self) -> None:
         checks = (
@@ -81,17 +74,15 @@ class SearchOptions:
             ("max_rate_factor", self.max_rate_factor == 0 or self.max_rate_factor >= 1, "must be 0 (off) or >= 1"),
             ("pre_beam_ratio", self.pre_beam_ratio >= 1.0, "must be at least 1"),
             ("nbest", 1 <= self.nbest <= self.beam_size, f"must be in [1, beam_size = {self.beam_size}]"),
-            ("lexicon", not self.lexicon or self.mode == "attention",
-             f"applies to beam search (mode attention), not to mode {self.mode}"),
-            ("lm", not self.lm or self.mode == "attention",
-             f"applies to beam search (mode attention), not to mode {self.mode}"),
-            ("lm_weight", math.isfinite(self.lm_weight) and self.lm_weight >= 0, "must be finite and >= 0"),
-            ("lm_fusion", not self.lm_fusion or bool(self.lm), "needs decoding.lm"),
-            ("lm_word_bonus", math.isfinite(self.lm_word_bonus), "must be finite"),
         )
-        for name, ok, reason in checks:
-            if not ok:
-                raise ValueError(f"decoding.{name} = {getattr(self, name)!r} {reason}")
+        check_fields(self, checks)
+
+
+def check_fields(options: Any, checks: tuple[tuple[str, bool, str], ...]) -> None:
+    """ValueError "decoding.NAME = VALUE REASON" for the first (name, ok, reason) not ok."""
+    for name, ok, reason in checks:
+        if not ok:
+            raise ValueError(f"decoding.{name} = {getattr(options, name)!r} {reason}")
 
 
 @dataclass(frozen=True)
@@ -128,29 +119,6 @@ def length_limits(model: ASRModel, memory_lens: torch.Tensor, ratio: float, rate
 
 # ---------------------------------------------------------------------------------------------
 # which hypotheses go on, and where
-
-
-class Selection(NamedTuple):
-    """The hypotheses that go on after a step: row i of the new states continues row rows[i] with
-    tokens[i]. R' < R drops utterances: rows then come in whole groups, N per kept utterance, and
-    group u of the new rows is utterance utterances[u] of the old ones. The other fields tell a
-    scorer which rows it may leave where they are (the search knows them without a host sync;
-    None: unknown, for the scorer to find)."""
-
-    rows: torch.Tensor  # (R',) long
-    tokens: torch.Tensor  # (R',) long
-    utterances: torch.Tensor  # (B',) long
-    moved: torch.Tensor | None = None  # (M,) long, the rows i with rows[i] != i, ascending
-    shared: torch.Tensor | None = None  # (M,) long: the decoder inputs (sos, then tokens), counted
-    # from the first, that the hypothesis moved into row i shares with the one row i held, of the
-    # same utterance (else 0)
-    copies: int = 0  # sum over the moved rows of (inputs so far - shared): the inputs that differ
-    moved_utterances: torch.Tensor | None = None  # (U,) long, the u with utterances[u] != u, ascending
-
-    @staticmethod
-    def of(rows: torch.Tensor, tokens: torch.Tensor, group: int) -> Selection:
-        """The Selection of rows (R',) and tokens (R',) alone, N = group rows per utterance."""
-        return Selection(rows, tokens, rows.view(-1, group)[:, 0] // group)
 
 
 def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -194,37 +162,23 @@ def _stable_slots(parents: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# the scorer protocol (batch-first ESPnet scorers: states are tensors over the R rows)
+# scorers (the protocol: asr.scorer)
 
 
-class FullScorer(Protocol):
-    """Scores every token of the vocabulary (the attention decoder; a language model later)."""
+@dataclass(frozen=True)
+class Scorers:
+    """Scorers a decoding task adds to beam search, beside the decoder ("decoder") and the CTC
+    prefix scorer ("ctc"), by name: each one's output is multiplied by its weight and added to the
+    candidates' scores. `constraints` name full scorers of 0 (allowed) or -inf (not) per token that
+    also keep forbidden tokens out of the pre-beam (a lexicon)."""
 
-    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> Any:
-        """The state of the empty hypothesis in `group` rows per utterance (R = B * group)."""
+    full: Mapping[str, FullScorer] = field(default_factory=dict)
+    partial: Mapping[str, PartialScorer] = field(default_factory=dict)
+    weights: Mapping[str, float] = field(default_factory=dict)
+    constraints: tuple[str, ...] = ()
 
-    def score(self, state: Any, last_tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Log-probabilities (R, V) of the next token after each row's last token (R,) (sos
-        first), and the state that has read those tokens."""
-
-    def select_state(self, state: Any, selection: Selection) -> Any:
-        """The state of the hypotheses `selection` keeps (see Selection)."""
-
-    def final_score(self, state: Any) -> torch.Tensor:
-        """(R,) added to a hypothesis when it ends."""
-
-
-class PartialScorer(Protocol):
-    """Scores only the candidates the pre-beam chose (the CTC prefix scorer)."""
-
-    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> Any: ...
-
-    def score_partial(self, state: Any, candidates: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Scores (R, C) of appending candidates (R, C) (eos: of ending), and the state that knows them."""
-
-    def select_state(self, state: Any, selection: Selection) -> Any: ...
-
-    def final_score(self, state: Any) -> torch.Tensor: ...
+    def __bool__(self) -> bool:
+        return bool(self.full or self.partial)
 
 
 class DecoderScorer:
@@ -242,8 +196,9 @@ class DecoderScorer:
         return self.decoder.step(last_tokens, None, None, state)  # memory is read from the cache
 
     def select_state(self, state: DecoderCache, selection: Selection) -> DecoderCache:
-        return state.reorder(selection.rows, moved=selection.moved, shared=selection.shared,
-                             copies=selection.copies, moved_groups=selection.moved_utterances)
+        plan = ReorderPlan(rows=selection.moved, start=selection.shared, copies=selection.copies,
+                           groups=selection.moved_utterances)
+        return state.reorder(selection.rows, plan)
 
     def final_score(self, state: DecoderCache) -> torch.Tensor:
         return torch.zeros(state.rows, device=state.self_kv.device)  # ending is scored as the eos token
@@ -457,31 +412,24 @@ def _nbest_lists(scores: torch.Tensor, tokens: torch.Tensor, nbest: int) -> list
 
 
 def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
-                options: SearchOptions, constraint: FullScorer | None = None,
-                lm: PartialScorer | None = None) -> list[tuple[Hypothesis, ...]]:
+                options: SearchOptions, scorers: Scorers | None = None) -> list[tuple[Hypothesis, ...]]:
     """Joint CTC/attention beam search (attention only when options.ctc_weight == 0; blank is
-    then an ordinary token of the decoder, as in greedy search, else never a candidate).
-    `constraint`: a FullScorer of 0 (allowed) or -inf (not) per token, e.g. asr.lexicon.LexiconScorer;
-    `lm`: a word LM fused into the search (asr.lm.WordLMScorer, which applies options.lm_weight and
-    options.lm_word_bonus itself)."""
-    eos, weight = model.config.eos, options.ctc_weight
+    then an ordinary token of the decoder, as in greedy search, else never a candidate), with the
+    task's `scorers` besides (partial ones score the pre-beam's candidates; they do not widen it)."""
+    eos, weight, scorers = model.config.eos, options.ctc_weight, scorers or Scorers()
     partial: dict[str, PartialScorer] = {}
     if weight > 0:
         partial["ctc"] = CTCPrefixScorer(model.ctc_log_probs, eos=eos, blank=BLANK)
-    excluded = (BLANK,) if partial else ()
-    pre_beam = options.beam_size if not partial else int(options.pre_beam_ratio * options.beam_size)
-    if lm is not None:  # scores the pre-beam's candidates; does not widen it
-        partial["lm"] = lm
+    excluded = (BLANK,) if weight > 0 else ()
+    pre_beam = options.beam_size if weight == 0 else int(options.pre_beam_ratio * options.beam_size)
     limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
-    full: dict[str, FullScorer] = {"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1)}
-    if constraint is not None:
-        full["constraint"] = constraint
+    full: dict[str, FullScorer] = {"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1), **scorers.full}
     search = BeamSearch(
-        full=full, partial=partial,
-        weights={"decoder": 1.0 - weight, "ctc": weight, "constraint": 1.0, "lm": 1.0},
+        full=full, partial={**partial, **scorers.partial},
+        weights={"decoder": 1.0 - weight, "ctc": weight, **scorers.weights},
         pre_beam="decoder", beam_size=options.beam_size,
         pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
-        length_bonus=options.length_bonus, nbest=options.nbest, constraints=("constraint",) if constraint else (),
+        length_bonus=options.length_bonus, nbest=options.nbest, constraints=scorers.constraints,
     )
     return search(memory, memory_lens, limits)
 
@@ -520,7 +468,7 @@ def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.T
         if count < rows.numel():
             order, holes = _fill_holes(stay)
             order, moved = order[:count], _true_positions(holes[:count], n_holes)
-            rows, last, cache = rows[order], last[order], cache.reorder(order, moved=moved, moved_groups=moved)
+            rows, last, cache = rows[order], last[order], cache.reorder(order, ReorderPlan(rows=moved, groups=moved))
     return [_hypothesis(row, eos, score) for row, score in zip(tokens.tolist(), scores.tolist())]
 
 
@@ -615,50 +563,20 @@ def _ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
 SEARCHES = {"attention": beam_search, "greedy": _greedy, "ctc_greedy": _ctc_greedy, "ctc_rescore": ctc_rescore}
 
 
-# A search over at most this many rows (utterances x beam) runs on one CPU thread: its operators
-# (a LayerNorm of 10 x 256, a 10-row matmul) are too small to share, and waking a second thread for
-# each cost more than it saved: one utterance at beam 10 of the 27M-parameter benchmark model
-# decoded 1.3-1.5x faster on 1 thread than on 2 (tools/bench_peers, 2026-11-30), while 32
-# utterances decoded 1.3x faster on 2.
-FEW_ROWS = 16
-
-
 @torch.no_grad()
 def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
-                  options: SearchOptions, constraint: FullScorer | None = None,
-                  lm: PartialScorer | None = None) -> list[tuple[Hypothesis, ...]]:
+                  options: SearchOptions, scorers: Scorers | None = None) -> list[tuple[Hypothesis, ...]]:
     """The n-best (at most options.nbest, best first) of each utterance of an encoder output;
     without encoder frames (input shorter than the subsampling's receptive field), the empty
-    hypothesis with score 0. `constraint` (beam search only): the compiled options.lexicon
-    (asr.lexicon.LexiconScorer; Recognizer.decode makes it), required when options.lexicon is set;
-    `lm` likewise the fused LM (asr.lm.WordLMScorer), required when options.lm_fusion is set."""
-    if options.lexicon and constraint is None:
-        raise ValueError(f"decoding.lexicon = {options.lexicon!r} needs its compiled constraint "
-                         "(asr.lexicon.LexiconScorer; Recognizer.decode makes it)")
-    if options.lm_fusion and lm is None:
-        raise ValueError(f"decoding.lm_fusion with decoding.lm = {options.lm!r} needs its scorer "
-                         "(asr.lm.WordLMScorer; Recognizer.decode makes it)")
+    hypothesis with score 0. `scorers` (beam search only): what a decoding task adds (asr.decoding)."""
+    if scorers and options.mode != "attention":
+        raise ValueError(f"decoding.mode = {options.mode!r}: scorers ({', '.join([*scorers.full, *scorers.partial])}) "
+                         "apply to beam search (mode attention)")
     if memory.size(1) == 0:
         return [(Hypothesis((), 0.0),) for _ in range(memory.size(0))]
-    rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
-    with _intra_op_threads(1 if rows <= FEW_ROWS and memory.device.type == "cpu" else None):
-        if options.lexicon or options.lm_fusion:
-            return beam_search(model, memory, memory_lens, options, constraint, lm if options.lm_fusion else None)
-        return SEARCHES[options.mode](model, memory, memory_lens, options)
-
-
-@contextmanager
-def _intra_op_threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to `count` inside the block (None: left alone)."""
-    before = torch.get_num_threads()
-    if count is None or count == before:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    if scorers:
+        return beam_search(model, memory, memory_lens, options, scorers)
+    return SEARCHES[options.mode](model, memory, memory_lens, options)
 
 
 @torch.no_grad()
@@ -673,5 +591,6 @@ def search_nbest(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
 @torch.no_grad()
 def search(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
            options: SearchOptions | None = None) -> list[Hypothesis]:
-    """The best hypothesis of each utterance (default SearchOptions(): greedy attention decoding)."""
-    return [nbest[0] for nbest in search_nbest(model, feats, feat_lens, options or SearchOptions())]
+    """The best hypothesis of each utterance (options None: greedy attention decoding, what training
+    validates with)."""
+    return [nbest[0] for nbest in search_nbest(model, feats, feat_lens, options or SearchOptions(mode="greedy"))]

@@ -15,6 +15,7 @@ import torch
 from test_beam_search import tiny_model
 
 import asr
+import asr.decoding
 from asr.api import Recognizer, Result, Segment, SegmentOptions, format_results, load_model, segment_audio
 from asr.audio import RawFormat
 from asr.checkpoint import CheckpointError, model_file, save_atomic
@@ -82,6 +83,13 @@ def recognizer(model_path) -> Recognizer:
     return load_model(model_path)
 
 
+@pytest.fixture(scope="module")
+def talking(tmp_path_factory) -> Recognizer:
+    """A recognizer whose model writes something (eos_bias 0): comparisons of its outputs are
+    not of empty transcripts."""
+    return load_model(write_model_file(tmp_path_factory.mktemp("talking") / "model.pt", eos_bias=0.0))
+
+
 def test_load_model(model_path, tmp_path):
     rec = asr.load_model(str(model_path), device="cpu")
     assert isinstance(rec, Recognizer) and not rec.model.training
@@ -96,7 +104,8 @@ def test_load_model(model_path, tmp_path):
         load_model(tmp_path / "bad.pt")
 
 
-def test_files_and_waveforms_give_the_same_result(recognizer, tmp_path):
+def test_files_and_waveforms_give_the_same_result(talking, tmp_path):
+    recognizer = talking
     wave = speechlike(3.0, 1)
     sf.write(tmp_path / "a.wav", wave, 16000, subtype="FLOAT")
     sf.write(tmp_path / "a48.flac", np.interp(np.arange(0, wave.size, 1 / 3), np.arange(wave.size), wave), 48000)
@@ -105,6 +114,7 @@ def test_files_and_waveforms_give_the_same_result(recognizer, tmp_path):
     (from_tensor,) = recognizer.transcribe((torch.from_numpy(np.stack([wave, wave], axis=1)), 16000))
     assert from_file.path == str(tmp_path / "a.wav") and from_array.path is None
     assert from_file.error is None and from_file.text == from_array.text == from_tensor.text
+    assert from_file.text and from_file.tokens  # not two empty outputs
     assert from_file.tokens == from_array.tokens and from_file.duration == pytest.approx(3.0)
     assert from_file.score == pytest.approx(from_array.score, abs=1e-4)
     (resampled,) = recognizer.transcribe(str(tmp_path / "a48.flac"))
@@ -125,10 +135,31 @@ def test_a_file_that_fails_is_reported_and_the_others_go_on(recognizer, tmp_path
     assert results[2].text == recognizer.transcribe(good)[0].text
 
 
+def test_a_decoding_error_is_raised_not_blamed_on_the_input_being_read(recognizer, monkeypatch):
+    """Reading the second input fills a batch whose decoding (of the first input's segment too)
+    fails: that error is the decoding's, raised, not a read error of the second input; and the
+    first input's segment is not left behind to be decoded again."""
+    waves = [(speechlike(1.5, i), 16000) for i in range(3)]
+    encoder, calls = recognizer.model.encoder, []
+
+    def fails_once(*args):
+        calls.append(args[0].size(0))
+        if len(calls) == 1:
+            raise ValueError("the encoder broke")
+        return type(encoder).forward(encoder, *args)
+
+    monkeypatch.setattr(encoder, "forward", fails_once)
+    with pytest.raises(ValueError, match="the encoder broke"):
+        recognizer.transcribe(waves, batch_size=2, beam_size=2)
+    assert calls == [2]  # nothing decoded after the failure, nothing decoded twice
+    monkeypatch.undo()
+    assert all(r.error is None for r in recognizer.transcribe(waves, batch_size=2, beam_size=2))
+
+
 def test_audio_too_short_or_silent_gives_empty_text(recognizer, monkeypatch):
     decoded = []
-    original = asr.api.decode_memory
-    monkeypatch.setattr(asr.api, "decode_memory", lambda *a: decoded.append(1) or original(*a))
+    original = asr.decoding.decode_memory
+    monkeypatch.setattr(asr.decoding, "decode_memory", lambda *a: decoded.append(1) or original(*a))
     inputs = [(np.zeros(0, np.float32), 16000), (speechlike(0.02), 16000), (np.zeros(48000, np.int16), 16000),
               (speechlike(0.06), 16000)]
     results = recognizer.transcribe(inputs)
@@ -137,11 +168,12 @@ def test_audio_too_short_or_silent_gives_empty_text(recognizer, monkeypatch):
     assert decoded == []  # nothing held speech or an encoder frame
 
 
-def test_batched_transcription_equals_one_at_a_time(recognizer):
+def test_batched_transcription_equals_one_at_a_time(talking):
     waves = [(speechlike(s, i), 16000) for i, s in enumerate([1.5, 3.0, 0.8, 2.2])]
-    together = recognizer.transcribe(waves, batch_size=3, beam_size=4)
+    together = talking.transcribe(waves, batch_size=3, beam_size=4)
+    assert all(result.text and result.tokens for result in together)  # not empty outputs compared
     for wave, result in zip(waves, together):
-        (alone,) = recognizer.transcribe(wave, beam_size=4)
+        (alone,) = talking.transcribe(wave, beam_size=4)
         assert (alone.text, alone.tokens) == (result.text, result.tokens)
         assert alone.score == pytest.approx(result.score, abs=1e-4)
 
@@ -171,9 +203,10 @@ def test_a_tiny_last_piece_joins_the_segment_before():
     assert sum(w.numel() for _, w in segments) == wave.numel() and segments[-1][1].numel() >= 8000
 
 
-def test_long_audio_gives_timed_segments(recognizer):
+def test_long_audio_gives_timed_segments(talking):
     wave = speechlike(50.0, 5)
-    (result,) = recognizer.transcribe((wave, 16000), segmentation=SegmentOptions(max_seconds=8.0))
+    (result,) = talking.transcribe((wave, 16000), segmentation=SegmentOptions(max_seconds=8.0))
+    assert sum(bool(s.text) for s in result.segments) >= 7  # the text joins non-empty pieces
     assert len(result.segments) >= 7 and result.duration == pytest.approx(50.0)
     assert result.segments[0].start == 0 and result.segments[-1].end == pytest.approx(50.0)
     assert all(a.end == b.start for a, b in zip(result.segments, result.segments[1:]))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asr.ctc_prefix import LOG_ZERO, CTCPrefixScorer, prefix_beam_search
-from asr.search import Selection
+from asr.scorer import Selection
 
 BLANK, EOS = 0, 4  # vocabulary: blank, three tokens 1..3, eos
 V = 5

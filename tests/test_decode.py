@@ -62,11 +62,11 @@ def test_an_interrupted_decode_resumes_where_it_stopped(corpus, tmp_path, monkey
     decoded: list[str] = []
     original = asr.decode._decode_batch
 
-    def interrupted(recognizer, batch, options):
+    def interrupted(recognizer, task, batch):
         if decoded:
             raise KeyboardInterrupt
         decoded.extend(batch.ids)
-        return original(recognizer, batch, options)
+        return original(recognizer, task, batch)
 
     monkeypatch.setattr(asr.decode, "_decode_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -75,9 +75,9 @@ def test_an_interrupted_decode_resumes_where_it_stopped(corpus, tmp_path, monkey
     with open(tmp_path / "dec" / JOURNAL, "a") as f:
         f.write('{"id": "utt0", "te')  # a line cut short by the interruption
 
-    def counting(recognizer, batch, options):
+    def counting(recognizer, task, batch):
         decoded.extend(batch.ids)
-        return original(recognizer, batch, options)
+        return original(recognizer, task, batch)
 
     monkeypatch.setattr(asr.decode, "_decode_batch", counting)
     wer = decode_manifest(model, manifest, tmp_path / "dec", FAST)
@@ -122,7 +122,7 @@ def test_decoding_configs(tmp_path):
                                   mode="ctc_rescore", beam_size=None, ctc_weight=0.5, batch_size=None, device="cpu")
     assert (config.mode, config.beam_size, config.length_bonus, config.ctc_weight, config.device) == \
         ("ctc_rescore", 4, 0.5, 0.5, "cpu")
-    assert config.search_options().beam_size == 4
+    assert config.decoding_options().beam_size == 4
     with pytest.raises(ConfigError, match="decoding.key=value"):
         load_decoding_config(None, ["beam_size=4"])
     with pytest.raises(ConfigError, match="unknown key 'beams'"):
@@ -148,11 +148,11 @@ def test_duration_batches():
 def test_a_model_that_never_ends_stops_at_the_length_limit(tmp_path, mode):
     """A decoder whose eos never wins: every hypothesis stops at floor(max_len_ratio x encoder
     frames) tokens, through the API and through `asr decode`."""
-    from asr.search import SearchOptions
+    from asr.decoding import DecodingOptions
 
     model = write_model_file(tmp_path / "model.pt", eos_bias=-100.0)
     recognizer = asr.decode.load_model(model)
-    options = SearchOptions(mode=mode, beam_size=3, max_len_ratio=0.5)
+    options = DecodingOptions(mode=mode, beam_size=3, max_len_ratio=0.5)
     waves = [speechlike(seconds, i) for i, seconds in enumerate([0.8, 1.7])]
     feats = [recognizer.feats(torch.from_numpy(w)) for w in waves]
     frames = recognizer.model.encoder.subsampling.output_lengths(torch.tensor([f.shape[0] for f in feats]))
@@ -174,16 +174,16 @@ def test_running_out_of_memory_splits_the_batch_then_skips_the_utterance(corpus,
     is an empty hypothesis, reported and counted, never a crash that every rerun would meet."""
     model, manifest = corpus
     fresh = decode_manifest(model, manifest, tmp_path / "fresh", FAST)
-    original = asr.decode.Recognizer.decode
+    original = asr.decode.DecodingTask.run
 
-    def tight(self, feats, options):
+    def tight(self, feats):
         if len(feats) > 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         if feats[0].shape[0] > 300:  # the 3.1 s utterance (utt0)
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
-        return original(self, feats, options)
+        return original(self, feats)
 
-    monkeypatch.setattr(asr.decode.Recognizer, "decode", tight)
+    monkeypatch.setattr(asr.decode.DecodingTask, "run", tight)
     wer = decode_manifest(model, manifest, tmp_path / "dec", FAST)
     assert wer["skipped"] == fresh["skipped"] + 1 and wer["utterances"] == 6
     assert "ran out of memory; decoding them one at a time" in caplog.text
@@ -192,9 +192,50 @@ def test_running_out_of_memory_splits_the_batch_then_skips_the_utterance(corpus,
     hyps = (tmp_path / "dec" / "hyp.txt").read_text().splitlines()
     assert hyps[0] == "utt0" and hyps[1:] == fresh_hyps[1:]
 
-    def bug(self, feats, options):
+    def bug(self, feats):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
 
-    monkeypatch.setattr(asr.decode.Recognizer, "decode", bug)  # a bug is not hidden as a skip
+    monkeypatch.setattr(asr.decode.DecodingTask, "run", bug)  # a bug is not hidden as a skip
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         decode_manifest(model, manifest, tmp_path / "bug", FAST)
+
+
+def test_every_decoding_option_is_one_definition_reachable_by_key(tmp_path):
+    """DecodingConfig declares the search's and the task's fields once (by inheritance), with one
+    default (beam search), and decoding.key=value and YAML reach every one of them."""
+    import dataclasses
+
+    from asr.decoding import DecodingOptions
+    from asr.search import SearchOptions
+
+    names = [f.name for f in dataclasses.fields(DecodingConfig)]
+    assert len(names) == len(set(names))
+    assert {f.name for f in dataclasses.fields(SearchOptions)} <= {f.name for f in dataclasses.fields(DecodingOptions)}
+    assert SearchOptions().mode == DecodingOptions().mode == DecodingConfig().mode == "attention"
+    values = {"max_rate_factor": "3.5", "pre_beam_ratio": "2.0", "nbest": "2", "lm_word_bonus": "0.5"}
+    config = load_decoding_config(None, [f"decoding.{k}={v}" for k, v in values.items()])
+    assert (config.max_rate_factor, config.pre_beam_ratio, config.nbest, config.lm_word_bonus) == (3.5, 2.0, 2, 0.5)
+    assert config.decoding_options() == DecodingOptions(max_rate_factor=3.5, pre_beam_ratio=2.0, nbest=2,
+                                                        lm_word_bonus=0.5)
+    (tmp_path / "rate.yaml").write_text("max_rate_factor: 0\nmode: greedy\n")
+    assert load_decoding_config(str(tmp_path / "rate.yaml")).decoding_options().max_rate_factor == 0
+
+
+def test_transcribe_reads_the_decoding_config_and_overrides(corpus, tmp_path, capsys):
+    """`asr transcribe --config X.yaml ... decoding.key=value` decodes as the API does with those
+    options; the small search runs on one thread without changing the process's thread count."""
+    from asr import cli
+
+    model, manifest = corpus
+    audio = manifest.parent / "u1.wav"
+    (tmp_path / "greedy.yaml").write_text("mode: greedy\nbatch_size: 4\n")
+    threads = torch.get_num_threads()
+    code = cli.main(["transcribe", "--model", str(model), "--config", str(tmp_path / "greedy.yaml"), str(audio),
+                     "decoding.max_len_ratio=0.3", "decoding.max_rate_factor=0", "--device", "cpu"])
+    assert code == 0 and torch.get_num_threads() == threads
+    want = asr.decode.load_model(model).transcribe(audio, mode="greedy")  # max_len_ratio 1: other lengths
+    short = asr.decode.load_model(model, options=asr.decode.DecodingOptions(mode="greedy", max_len_ratio=0.3,
+                                                                             max_rate_factor=0)).transcribe(audio)
+    assert capsys.readouterr().out == f"{short[0].text}\n" and want[0].text != short[0].text
+    assert cli.main(["transcribe", "--model", str(model), "decoding.beams=3", str(audio)]) == 1
+    assert "unknown key 'beams'" in capsys.readouterr().err

@@ -3,7 +3,6 @@ segmentation), and the beam search with it writes only those words, batched as a
 scores of the unconstrained search's formula."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -17,9 +16,10 @@ from test_beam_search import JOINT, LENGTHS, attention_log_prob, ctc_log_prob, r
 import asr.lexicon as lexicon_module
 from asr.api import load_model
 from asr.decode import DecodingConfig, decode_manifest
+from asr.decoding import DecodingOptions, DecodingTask
 from asr.lexicon import Lexicon, LexiconError, LexiconScorer, read_words
 from asr.metrics import normalize_text
-from asr.search import SearchOptions, decode_memory
+from asr.search import Scorers, SearchOptions, decode_memory
 from asr.tokenizer import CharTokenizer, train_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -148,7 +148,8 @@ SEARCH_WORDS = ["AB", "BAD", "CAFE", "HE", "EGG", "FADE", "A", "GH"]  # letters 
 def constrained(model, memory, lens, options):
     tok = CharTokenizer(TOKENS)
     scorer = LexiconScorer(compiled(tok, SEARCH_WORDS))
-    return tok, decode_memory(model, memory, lens, dataclasses.replace(options, lexicon="words.txt"), scorer)
+    scorers = Scorers({"lexicon": scorer}, weights={"lexicon": 1.0}, constraints=("lexicon",))
+    return tok, decode_memory(model, memory, lens, options, scorers)
 
 
 @pytest.mark.parametrize("options", [JOINT, SearchOptions(mode="attention", beam_size=3, ctc_weight=0.0, nbest=3)],
@@ -191,11 +192,14 @@ def test_constrained_scores_are_the_unconstrained_formula():
 
 def test_lexicon_options_are_validated():
     with pytest.raises(ValueError, match="decoding.lexicon = 'w.txt' applies to beam search"):
-        SearchOptions(mode="greedy", lexicon="w.txt")
+        DecodingOptions(mode="greedy", lexicon="w.txt")
     model = tiny_model(0)
     memory, lens = random_memory(model, [5], 0)
-    with pytest.raises(ValueError, match="needs its compiled constraint"):
-        decode_memory(model, memory, lens, SearchOptions(mode="attention", lexicon="w.txt"))
+    with pytest.raises(ValueError, match="and the compiled lexicon go together"):
+        DecodingTask(model, CharTokenizer(TOKENS), DecodingOptions(lexicon="w.txt"))
+    scorer = Scorers({"lexicon": LexiconScorer(compiled(CharTokenizer(TOKENS), SEARCH_WORDS))})
+    with pytest.raises(ValueError, match="apply to beam search"):
+        decode_memory(model, memory, lens, SearchOptions(mode="greedy"), scorer)
 
 
 # --- from the outside: asr decode / transcribe ------------------------------------------------

@@ -19,9 +19,11 @@ from test_api import write_decode_files
 from asr.api import load_model
 from asr.audio import load_audio
 from asr.decode import DecodingConfig, decode_manifest
+from asr.decoding import DecodingOptions, DecodingTask
 from asr.lm import BOS, EOS, UNK, LMError, NgramLM, WordLMScorer, rescore, train_ngram
 from asr.metrics import normalize_text
-from asr.search import SearchOptions, Selection, decode_memory, length_limits, teacher_forced_scores
+from asr.scorer import Selection
+from asr.search import length_limits, teacher_forced_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -239,15 +241,15 @@ def test_the_word_bonus_adds_per_word_and_can_keep_a_word_the_lm_would_drop():
 
 def test_lm_options_are_validated():
     with pytest.raises(ValueError, match="decoding.lm = 'lm.arpa' applies to beam search"):
-        SearchOptions(mode="ctc_greedy", lm="lm.arpa")
+        DecodingOptions(mode="ctc_greedy", lm="lm.arpa")
     with pytest.raises(ValueError, match="decoding.lm_weight = -0.1 must be finite and >= 0"):
-        SearchOptions(mode="attention", lm="lm.arpa", lm_weight=-0.1)
+        DecodingOptions(mode="attention", lm="lm.arpa", lm_weight=-0.1)
     with pytest.raises(ValueError, match="decoding.lm_fusion = True needs decoding.lm"):
-        SearchOptions(mode="attention", lm_fusion=True)
+        DecodingOptions(mode="attention", lm_fusion=True)
     with pytest.raises(ValueError, match="decoding.lm_word_bonus = nan must be finite"):
-        SearchOptions(mode="attention", lm="lm.arpa", lm_word_bonus=float("nan"))
-    assert SearchOptions(mode="attention", lm="lm.arpa", lm_word_bonus=-0.5).lm_word_bonus == -0.5  # a penalty
-    assert SearchOptions(mode="attention", lm_word_bonus=1.0).lm == ""  # unused without an LM, as lm_weight
+        DecodingOptions(mode="attention", lm="lm.arpa", lm_word_bonus=float("nan"))
+    assert DecodingOptions(mode="attention", lm="lm.arpa", lm_word_bonus=-0.5).lm_word_bonus == -0.5  # a penalty
+    assert DecodingOptions(mode="attention", lm_word_bonus=1.0).lm == ""  # unused without an LM, as lm_weight
 
 
 @pytest.mark.parametrize("weight, bonus", [(1.0, 0.0), (0.4, 1.5)])
@@ -286,12 +288,12 @@ def test_fused_decoding_scores_each_hypothesis_with_its_sentence_probability(fil
     lm = NgramLM.load(lm_file)
     feats = [recognizer.feats(load_audio(folder / f"u{i}.wav")) for i in range(4)]
     beam = dict(mode="attention", beam_size=6, ctc_weight=0.0, nbest=3, max_len_ratio=0.5)
-    plain = recognizer.decode(feats, SearchOptions(**beam))
-    same = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=0.0, lm_fusion=True))
+    plain = recognizer.decode(feats, DecodingOptions(**beam))
+    same = recognizer.decode(feats, DecodingOptions(**beam, lm=lm_file, lm_weight=0.0, lm_fusion=True))
     assert [[h.tokens for h in n] for n in same] == [[h.tokens for h in n] for n in plain]
     changed = checked = 0
     for weight, bonus in ((0.5, 0.0), (3.0, 0.0), (0.5, 2.0)):
-        fused = recognizer.decode(feats, SearchOptions(**beam, lm=lm_file, lm_weight=weight, lm_word_bonus=bonus,
+        fused = recognizer.decode(feats, DecodingOptions(**beam, lm=lm_file, lm_weight=weight, lm_word_bonus=bonus,
                                                        lm_fusion=True))
         for f, nbest, p in zip(feats, fused, plain):
             fused_best = nbest[0]
@@ -310,9 +312,9 @@ def test_fused_decoding_scores_each_hypothesis_with_its_sentence_probability(fil
                 assert h.score == pytest.approx(att + weight * lm.score(words) + bonus * len(words), abs=1e-4)
             changed += fused_best.tokens != p[0].tokens
     assert changed >= 1 and checked >= 8
-    with pytest.raises(ValueError, match="needs its scorer"):
-        decode_memory(recognizer.model, memory, memory_lens,
-                      SearchOptions(**beam, lm=lm_file, lm_weight=0.5, lm_fusion=True))
+    with pytest.raises(ValueError, match="and the loaded LM go together"):
+        DecodingTask(recognizer.model, recognizer.tokenizer,
+                     DecodingOptions(**beam, lm=lm_file, lm_weight=0.5, lm_fusion=True))
 
 
 # --- from the outside: asr lm / decode / transcribe -------------------------------------------
@@ -333,11 +335,11 @@ def test_rescored_decoding_picks_the_best_sum_of_the_beam(files):
     recognizer = load_model(model)
     lm = NgramLM.load(folder / "lm.arpa")
     feats = [recognizer.feats(load_audio(folder / f"u{i}.wav")) for i in range(4)]
-    beam = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=6)
+    beam = DecodingOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=6)
     plain = recognizer.decode(feats, beam)
     changed = 0
     for weight, bonus in ((0.0, 0.0), (0.5, 0.0), (3.0, 0.0), (0.5, 3.0)):
-        rescored = recognizer.decode(feats, SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=2,
+        rescored = recognizer.decode(feats, DecodingOptions(mode="attention", beam_size=6, ctc_weight=0.3, nbest=2,
                                                           lm=str(folder / "lm.arpa"), lm_weight=weight,
                                                           lm_word_bonus=bonus))
         for nbest, found in zip(plain, rescored):
@@ -384,7 +386,7 @@ def test_asr_lm_then_decode_and_transcribe(files, tmp_path):
     fused = [r.text for r in recognizer.transcribe(audio, beam_size=6, lm=lm_file, lm_weight=3.0, lm_fusion=True)]
     assert [line.split("\t", 1)[1] for line in done.stdout.splitlines()] == fused
     feats = [recognizer.feats(load_audio(a)) for a in audio]
-    options = SearchOptions(mode="attention", beam_size=6, ctc_weight=0.3, lm=str(lm_file), lm_weight=3.0,
+    options = DecodingOptions(mode="attention", beam_size=6, ctc_weight=0.3, lm=str(lm_file), lm_weight=3.0,
                             lm_fusion=True)
     assert fused == [recognizer.text(n[0].tokens) for n in recognizer.decode(feats, options)]
     # and --lm-word-bonus (a large bonus, so that the choice moves)

@@ -69,7 +69,7 @@ def test_search_stops_at_the_length_limit():
     memory_lens = model.encoder.subsampling.output_lengths(feat_lens)
     for ratio in (0.3, 1.0):
         limits = max_lengths(memory_lens, ratio).tolist()
-        found = search(model, feats, feat_lens, SearchOptions(max_len_ratio=ratio))
+        found = search(model, feats, feat_lens, SearchOptions(mode="greedy", max_len_ratio=ratio))
         assert [len(h.tokens) for h in found] == limits
         ctc = search(model, feats, feat_lens, SearchOptions(mode="ctc_greedy", max_len_ratio=ratio))
         assert all(len(h.tokens) <= n for h, n in zip(ctc, limits))
@@ -136,10 +136,13 @@ def test_overfit_two_utterances_then_greedy_reproduces_them():
 
 
 @pytest.mark.parametrize("utterances, beam, inside", [(1, 10, 1), (4, 10, None), (4, 1, 1)])
-def test_small_searches_run_on_one_thread_and_restore_the_count(monkeypatch, utterances, beam, inside):
-    """A search over few rows (utterances x beam <= FEW_ROWS) runs on one intra-op thread; the
-    caller's thread count is back afterwards, also when the search raises."""
+def test_small_searches_run_on_the_threads_asked_for_and_restore_the_count(monkeypatch, utterances, beam, inside):
+    """With search_threads=1 a search over few rows (utterances x beam <= FEW_ROWS) runs on one
+    intra-op thread; the caller's thread count is back afterwards, also when the search raises.
+    Without search_threads the library leaves torch's thread count alone."""
     import asr.search as search_module
+    from asr.decoding import DecodingOptions, DecodingTask
+    from asr.tokenizer import CharTokenizer
 
     model = small_model()
     feats, feat_lens = batch()
@@ -153,8 +156,47 @@ def test_small_searches_run_on_one_thread_and_restore_the_count(monkeypatch, utt
     torch.set_num_threads(2)
     try:
         monkeypatch.setitem(search_module.SEARCHES, "attention", spy)
-        with pytest.raises(RuntimeError, match="stop"):
-            search(model, feats[:utterances], feat_lens[:utterances], SearchOptions(mode="attention", beam_size=beam))
-        assert seen == [inside or 2] and torch.get_num_threads() == 2
+        tokenizer = CharTokenizer(list("ABCDEFGH "))
+        for threads, want in ((1, inside or 2), (None, 2)):
+            task = DecodingTask(model.eval(), tokenizer, DecodingOptions(beam_size=beam), search_threads=threads)
+            with pytest.raises(RuntimeError, match="stop"):
+                task.run([f[:n] for f, n in zip(feats[:utterances], feat_lens[:utterances].tolist())])
+            assert seen.pop() == want and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_no_import_circle_in_the_package():
+    """The modules of asr import one way: no circle in the graph of their `asr` imports, those made
+    only for type checking (under TYPE_CHECKING) and inside functions included."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (root / "asr").rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+        graph[name] = sorted(t for t in targets if t in modules and t != name)
+
+    def circle(node: str, path: list[str], done: set[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for target in graph[node]:
+            found = circle(target, [*path, node], done)
+            if found:
+                return found
+        done.add(node)
+        return None
+
+    done: set[str] = set()
+    for name in sorted(graph):
+        assert circle(name, [], done) is None, " -> ".join(circle(name, [], set()))

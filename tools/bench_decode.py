@@ -151,7 +151,8 @@ def bench_steps(name: str, model: ASRModel, args: argparse.Namespace, device: to
     of the hypotheses of each utterance (every row but the middle ones moves, nothing shared):
     the worst case of a beam search step, which usually moves a few rows."""
     from asr.ctc_prefix import CTCPrefixScorer
-    from asr.search import DecoderScorer, Selection
+    from asr.scorer import Selection
+    from asr.search import DecoderScorer
 
     batch, beam, steps = 32, 10, max(POSITIONS) + 5
     frames = int(8 * model.config.frames_per_second)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -15,20 +16,33 @@ from asr.model.attention import MultiHeadAttention, key_mask
 from asr.model.encoder import FeedForward, sinusoidal_positions
 
 
+class ReorderPlan(NamedTuple):
+    """What `DecoderCache.reorder` may leave alone, when the caller knows it without a host
+    synchronization (a field left None is found by `reorder`, with one). In the cache's terms:
+    rows, positions of rows, and groups (the N consecutive rows of one utterance)."""
+
+    rows: torch.Tensor | None = None  # (M,) long, the rows i with index[i] != i, ascending: only those
+    # are written
+    start: torch.Tensor | None = None  # (M,) long, for each of those rows, the first position whose
+    # inputs differ from what the row holds (the positions before it are left alone); None: whole rows
+    copies: int = 0  # sum over those rows of (length - start): the (row, position) pairs to copy
+    groups: torch.Tensor | None = None  # (U,) long, when rows are dropped: the groups u of the kept
+    # rows whose utterance changes (index[u * N] // N != u), ascending
+
+
 @dataclass(eq=False)
 class DecoderCache:
     """What the decoder's `step` needs from earlier steps; updated in place by `step` and `reorder`.
 
     Self-attention keys and values live in a buffer preallocated to a capacity and filled in place
     (doubled when full): appending with torch.cat instead copies (and allocates) all t steps at
-    every step. `reorder` moves data only where a row changes hands, and only the positions where
-    the row's new hypothesis differs from the one it held: in beam search most hypotheses continue
-    in their own row (see asr.search.Selection) and the others differ from the hypothesis they
-    replace in their last few tokens, so a step copies a few positions of a few rows instead of
-    the whole filled buffer (at position 50 of 32 x 10 rows of the librispeech_100h decoder that
-    copy was 196 MB, the largest cost of a step, growing with the position). Dropped utterances
-    leave holes that `reorder` fills with rows from the end (the caller's order), so dropping one
-    utterance copies at most one utterance's rows.
+    every step. `reorder` moves data only where a row changes hands, and, given a ReorderPlan, only
+    the positions where the row's new inputs differ from those it held: in beam search most
+    hypotheses continue in their own row and the others differ from the hypothesis they replace in
+    their last few tokens, so a step copies a few positions of a few rows instead of the whole
+    filled buffer (a copy that grows with the position and, at large batch x beam, dominates the
+    step). Dropped utterances leave holes that `reorder` fills with rows from the end (the
+    caller's order), so dropping one utterance copies at most one utterance's rows.
 
     Cross-attention keys and values are projected from the encoder output once, per utterance
     (B rows, not R): the N hypotheses of an utterance share them (see `MultiHeadAttention.attend`).
@@ -55,30 +69,27 @@ class DecoderCache:
         """Hypotheses per utterance, N = R // B, fixed when the cache is made."""
         return self.rows // self.memory_kv.size(2)
 
-    def reorder(self, index: torch.Tensor, *, moved: torch.Tensor | None = None, shared: torch.Tensor | None = None,
-                copies: int = 0, moved_groups: torch.Tensor | None = None) -> DecoderCache:
+    def reorder(self, index: torch.Tensor, plan: ReorderPlan | None = None, *, moved: torch.Tensor | None = None,
+                shared: torch.Tensor | None = None, copies: int = 0,
+                moved_groups: torch.Tensor | None = None) -> DecoderCache:
         """Keep rows `index` (R',) long of this cache, in that order: row i continues row index[i].
 
         R' == R: each row must continue a row of its own utterance (beam search reordering).
         R' < R (finished utterances dropped): rows come in whole groups, the N consecutive rows of
         one utterance, and the memory keeps those utterances in that order.
-        Hints that save work (the search knows them without a host synchronization; None: found
-        here, with one): `moved` (M,) the rows i with index[i] != i (only those are copied);
-        `shared` (M,) for each, the positions (sos first) whose inputs its new hypothesis shares with
-        the one it held before, of the same utterance (0 when the utterance changed): those are
-        left alone, and `copies` = sum(length - shared) is what is left to copy (None: all of
-        each moved row); `moved_groups` (U,) the groups u of R' whose utterance changed
-        (index[u * N] // N != u). Updates in place and returns self.
+        `plan`: what may be left alone (see ReorderPlan); None: every changed row is copied whole.
+        Updates in place and returns self.
         """
-        if moved is None:
-            moved = _changed(index)
+        if plan is None:  # temporary: the keyword form, until tests/test_model.py passes a plan
+            plan = ReorderPlan(moved, shared, copies, moved_groups)
+        moved = plan.rows if plan.rows is not None else _changed(index)
         if index.numel() < self.rows:
-            self._keep_groups(index.view(-1, self.group)[:, 0] // self.group, moved_groups)
-        if shared is None:
+            self._keep_groups(index.view(-1, self.group)[:, 0] // self.group, plan.groups)
+        if plan.start is None:
             filled = self.self_kv[:, :, :, :self.length]  # (layers, 2, R, t, H, dh), rows copied whole
             filled.index_copy_(2, moved, filled.index_select(2, index[moved]))  # sources read first
-        elif copies:
-            self._copy_positions(moved, index[moved], shared, copies)
+        elif plan.copies:
+            self._copy_positions(moved, index[moved], plan.start, plan.copies)
         self.self_kv = self.self_kv[:, :, :index.numel()]
         return self
 

@@ -1,0 +1,145 @@
+"""One decoding run: the options (`DecodingOptions`, the one definition that `asr decode`,
+`asr transcribe` and the Python API read), and the task that carries them out (`DecodingTask`):
+encoder, search with the scorers the options ask for (a lexicon's constraint, a word LM fused into
+the search), then LM rescoring of the beam when the LM is not fused.
+
+    task = DecodingTask(model, tokenizer, DecodingOptions(beam_size=20), lexicon=lexicon, lm=lm)
+    nbest_lists = task.run([feats_1, feats_2])   # (T_i, n_mels) normalized features each
+
+Where the next pieces go: a neural LM is one more full scorer in `DecodingTask.scorers`, weighed by
+name (the search needs no change); alignments and attention weights are a step after `search`
+that reads the encoder output and the chosen tokens; decoding one shard of a manifest is
+asr.decode's choice of utterances, not the task's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from asr.lexicon import Lexicon, LexiconScorer
+from asr.lm import NgramLM, WordLMScorer, rescore
+from asr.metrics import normalize_text
+from asr.model import ASRModel
+from asr.search import Hypothesis, Scorers, SearchOptions, check_fields, decode_memory
+from asr.tokenizer import Tokenizer
+
+__all__ = ["FEW_ROWS", "DecodingOptions", "DecodingTask"]
+
+# A search over at most this many rows (utterances x beam) has operators too small to share among
+# threads (a LayerNorm of 10 x 256, a 10-row matmul): waking a second thread for each costs more
+# than it saves. `DecodingTask(search_threads=1)` runs such searches on one CPU thread.
+FEW_ROWS = 16
+
+
+@dataclass(frozen=True)
+class DecodingOptions(SearchOptions):
+    """The search (asr.search.SearchOptions, whose defaults are the recommended beam search) and what
+    the task adds around it; validated once, here. conf/decode/*.yaml and `decoding.key=value`
+    set these fields by name."""
+
+    lexicon: str = ""  # a word list (asr.lexicon): beam search writes only its words; "" = any text
+    lm: str = ""  # an ARPA word n-gram model (asr.lm) rescoring the beam's ended hypotheses; "" = none
+    lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words)
+    lm_fusion: bool = False  # the LM scores each word inside the search as it ends (asr.lm.WordLMScorer)
+    # instead of rescoring the ended hypotheses
+    lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word, beside lm_weight * ln P_LM(words)
+    # (each word costs -ln P of the LM, so without it the LM favours dropping words); unused without lm
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fields(self, (
+            ("lexicon", not self.lexicon or self.mode == "attention",
+             f"applies to beam search (mode attention), not to mode {self.mode}"),
+            ("lm", not self.lm or self.mode == "attention",
+             f"applies to beam search (mode attention), not to mode {self.mode}"),
+            ("lm_weight", math.isfinite(self.lm_weight) and self.lm_weight >= 0, "must be finite and >= 0"),
+            ("lm_fusion", not self.lm_fusion or bool(self.lm), "needs decoding.lm"),
+            ("lm_word_bonus", math.isfinite(self.lm_word_bonus), "must be finite"),
+        ))
+
+
+class DecodingTask:
+    """A model decoding with `options`: the scorers they ask for are built once, from the compiled
+    `lexicon` (required when options.lexicon is set) and the loaded `lm` (required when options.lm
+    is). The model should be in eval mode. `search_threads`: torch's intra-op threads while a CPU
+    search has at most FEW_ROWS rows (None: torch's setting is left alone)."""
+
+    def __init__(self, model: ASRModel, tokenizer: Tokenizer, options: DecodingOptions, *,
+                 lexicon: Lexicon | None = None, lm: NgramLM | None = None, search_threads: int | None = None) -> None:
+        if bool(options.lexicon) != (lexicon is not None):
+            raise ValueError(f"decoding.lexicon = {options.lexicon!r} and the compiled lexicon go together")
+        if bool(options.lm) != (lm is not None):
+            raise ValueError(f"decoding.lm = {options.lm!r} and the loaded LM go together")
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.search_threads = search_threads
+        self.rescorer = lm if lm is not None and not options.lm_fusion else None
+        # rescoring ranks the whole beam; the search then returns all of it
+        self.search_options = dataclasses.replace(options, nbest=options.beam_size) if self.rescorer else options
+        self.scorers = self._scorers(lexicon, lm if options.lm_fusion else None)
+
+    def _scorers(self, lexicon: Lexicon | None, fused: NgramLM | None) -> Scorers:
+        """What the search adds to the decoder and CTC: the lexicon's constraint, the fused LM
+        (which applies lm_weight and lm_word_bonus itself, so both weigh 1)."""
+        full, partial, weights = {}, {}, {}
+        if lexicon is not None:
+            full["lexicon"], weights["lexicon"] = LexiconScorer(lexicon), 1.0
+        if fused is not None:
+            partial["lm"] = WordLMScorer.for_tokenizer(fused, self.tokenizer, weight=self.options.lm_weight,
+                                                       word_bonus=self.options.lm_word_bonus)
+            weights["lm"] = 1.0
+        return Scorers(full, partial, weights, ("lexicon",) if lexicon is not None else ())
+
+    @torch.no_grad()
+    def run(self, feats: Sequence[torch.Tensor]) -> list[tuple[Hypothesis, ...]]:
+        """The n-best (at most options.nbest, best first) of each utterance's features (T_i, n_mels);
+        those too short for one encoder frame get the empty hypothesis without decoding. With an LM
+        that is not fused, the scores are the rescored ones."""
+        out: list[tuple[Hypothesis, ...]] = [(Hypothesis((), 0.0),)] * len(feats)
+        minimum = self.model.encoder.subsampling.receptive_field
+        usable = [i for i, f in enumerate(feats) if f.size(0) >= minimum]
+        if usable:
+            memory, memory_lens = self.encode([feats[i] for i in usable])
+            for i, nbest in zip(usable, self.search(memory, memory_lens)):
+                out[i] = self.rescore(nbest) if self.rescorer is not None else nbest
+        return out
+
+    def encode(self, feats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder output (B, T, d) and its lengths (B,) of features (T_i, n_mels) each."""
+        lens = torch.tensor([f.size(0) for f in feats], device=feats[0].device)
+        padded = torch.nn.utils.rnn.pad_sequence(list(feats), batch_first=True)  # (B, T, D)
+        return self.model.encoder(padded, lens)
+
+    def search(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
+        """The search's n-best lists of an encoder output (the whole beam when it is rescored)."""
+        options = self.search_options
+        rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
+        few = self.search_threads is not None and rows <= FEW_ROWS and memory.device.type == "cpu"
+        with _intra_op_threads(self.search_threads if few else None):
+            return decode_memory(self.model, memory, memory_lens, options, self.scorers)
+
+    def rescore(self, nbest: tuple[Hypothesis, ...]) -> tuple[Hypothesis, ...]:
+        """The best options.nbest of `nbest` after adding lm_weight * ln P_LM(words) +
+        lm_word_bonus * len(words) (asr.lm.rescore)."""
+        words = [normalize_text(self.tokenizer.decode(list(h.tokens))).split() for h in nbest]
+        best = rescore([(w, h.score) for w, h in zip(words, nbest)], self.rescorer, self.options.lm_weight,
+                       self.options.nbest, self.options.lm_word_bonus)
+        return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
+
+
+@contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside the block (None: left alone)."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
