@@ -17,7 +17,7 @@ MODES = ["attention", "ctc_greedy", "ctc_rescore", "greedy"]
 
 
 def cmd_prepare_librispeech(args: argparse.Namespace) -> int:
-    from asr.data import prepare_librispeech
+    from asr.corpora import prepare_librispeech
 
     speeds = _floats(args.speed_perturb)
     counts = prepare_librispeech(args.librispeech_dir, args.out_dir, _split(args.parts))
@@ -30,7 +30,7 @@ def cmd_prepare_librispeech(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_kaldi(args: argparse.Namespace) -> int:
-    from asr.data import prepare_kaldi
+    from asr.corpora import prepare_kaldi
 
     n = prepare_kaldi(args.data_dir, args.out)
     if args.speed_perturb:
@@ -41,7 +41,8 @@ def cmd_prepare_kaldi(args: argparse.Namespace) -> int:
 
 def _add_speed_copies(manifest: Path, speeds: list[float]) -> int:
     """Rewrite `manifest` with speed-perturbed copies of every line (DESIGN.md: sp<speed>-<id>)."""
-    from asr.data import read_manifest, speed_perturb, write_manifest
+    from asr.corpora import speed_perturb
+    from asr.manifest import read_manifest, write_manifest
 
     utts = speed_perturb(read_manifest(manifest), [s for s in speeds if s != 1.0])
     write_manifest(utts, manifest)
@@ -49,7 +50,7 @@ def _add_speed_copies(manifest: Path, speeds: list[float]) -> int:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from asr.data import read_manifest
+    from asr.manifest import read_manifest
     from asr.metrics import normalize_text
     from asr.tokenizer import train_tokenizer
 
@@ -71,9 +72,9 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_lm(args: argparse.Namespace) -> int:
-    from asr.data import read_manifest
     from asr.fileio import numbered_lines
     from asr.lm import train_ngram
+    from asr.manifest import read_manifest
     from asr.metrics import normalize_text
 
     if not args.manifest and not args.text:
@@ -91,8 +92,9 @@ def cmd_lm(args: argparse.Namespace) -> int:
 
 
 def cmd_cmvn(args: argparse.Namespace) -> int:
-    from asr.data import compute_cmvn, read_manifest
     from asr.features import FeatureConfig
+    from asr.loader import compute_cmvn
+    from asr.manifest import read_manifest
 
     utts = read_manifest(args.manifest)
     stats = compute_cmvn(utts, FeatureConfig(n_mels=args.n_mels), num_workers=args.num_workers,
@@ -107,7 +109,8 @@ def cmd_cmvn(args: argparse.Namespace) -> int:
 def cmd_wer(args: argparse.Namespace) -> int:
     import json
 
-    from asr.metrics import format_errors, format_summary, read_transcripts, score
+    from asr.manifest import read_transcripts
+    from asr.metrics import format_errors, format_summary, score
 
     report = score(read_transcripts(args.ref), read_transcripts(args.hyp))
     if args.errors:
@@ -130,7 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    from asr.trainer import average
+    from asr.checkpoint import average
 
     print(average(args.exp_dir, by=args.by, num=args.num, out=args.out))
     return 0

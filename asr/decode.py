@@ -32,10 +32,12 @@ from tqdm import tqdm
 
 from asr.api import Recognizer, load_model
 from asr.config import ConfigError, load_config, to_dict
-from asr.data import ASRDataset, Batch, Example, Skipped, Utterance, collate, read_manifest, split_skipped
+from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, split_skipped
 from asr.decoding import DecodingOptions, DecodingTask
 from asr.fileio import atomic_open
+from asr.manifest import Utterance, read_manifest
 from asr.metrics import ErrorStats, format_errors, format_summary, normalize_text, score
+from asr.sampler import greedy_batches, longest_first
 
 __all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config"]
 
@@ -139,7 +141,9 @@ def _decode(recognizer: Recognizer, task: DecodingTask, utts: list[Utterance], c
     if not utts:
         return
     dataset = ASRDataset(utts, None, features=recognizer.features)
-    batches = duration_batches([u.duration for u in utts], config.batch_size, config.max_batch_seconds)
+    durations = [u.duration for u in utts]  # longest first: a batch pads little
+    batches = greedy_batches(longest_first(durations), durations, config.max_batch_seconds,
+                             max_count=config.batch_size)
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=_collate, num_workers=config.num_workers)
     seconds = {u.id: u.duration for u in utts}
     audio, start = 0.0, time.perf_counter()
@@ -204,20 +208,6 @@ def _decode_batch(recognizer: Recognizer, task: DecodingTask, batch: Batch) -> l
 
 def _json_number(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def duration_batches(durations: Sequence[float], batch_size: int, max_seconds: float) -> list[list[int]]:
-    """Indices grouped longest first: at most `batch_size` per batch and longest x count <=
-    max_seconds (a longer utterance alone)."""
-    order = sorted(range(len(durations)), key=lambda i: -durations[i])
-    batches: list[list[int]] = []
-    for i in order:
-        last = batches[-1] if batches else None
-        if last and len(last) < batch_size and durations[last[0]] * (len(last) + 1) <= max_seconds:
-            last.append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def _collate(items: list[Example | Skipped]) -> tuple[Batch, list[tuple[str, str]]]:

@@ -272,10 +272,3 @@ def format_errors(report: Report, top_confusions: int = 30) -> str:
     blocks.append("most frequent substitutions (count  REF -> HYP):\n" + ("\n".join(lines) or "  none"))
     return "\n\n".join(blocks) + "\n"
 
-
-def __getattr__(name: str):  # temporary re-export: removed at integration
-    if name == "read_transcripts":  # temporary re-export: removed at integration
-        from asr.manifest import read_transcripts  # temporary re-export: removed at integration
-
-        return read_transcripts  # temporary re-export: removed at integration
-    raise AttributeError(f"module 'asr.metrics' has no attribute {name!r}")  # temporary: removed at integration

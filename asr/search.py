@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from asr.ctc_prefix import CTCPrefixScorer, prefix_beam_search
-from asr.model import ASRModel, DecoderCache, TransformerDecoder
-from asr.model.decoder import ReorderPlan  # temporary: `from asr.model import ReorderPlan` at integration
+from asr.model import ASRModel, DecoderCache, ReorderPlan, TransformerDecoder
 from asr.scorer import FullScorer, PartialScorer, Selection
 from asr.tokens import BLANK
 

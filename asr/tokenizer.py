@@ -19,11 +19,8 @@ from asr.fileio import atomic_open
 from asr.tokens import BLANK, FIRST_TOKEN, UNK, eos_id, sos_id
 
 __all__ = [
-    "BLANK",  # BLANK, FIRST_TOKEN, UNK (defined in asr.tokens): temporary re-export: removed at integration
-    "FIRST_TOKEN",
     "KINDS",
     "SPACE",
-    "UNK",
     "CharTokenizer",
     "SentencePieceTokenizer",
     "Tokenizer",

@@ -32,7 +32,6 @@ import torch
 
 from asr.checkpoint import (
     TrainingError,
-    average,  # noqa: F401  # temporary re-export: removed at integration
     check_or_save_config,
     clean_experiment,
     model_file,

@@ -99,8 +99,8 @@ def test_prepare_kaldi_tokenizer_cmvn_pipeline(tmp_path):
     out = asr("cmvn", "--manifest", manifest, "--out", tmp_path / "cmvn.json", "--num-workers", "2")
     assert out.returncode == 0, out.stderr
     from asr.audio import load_audio
-    from asr.data import read_manifest
     from asr.features import CMVNStats, FeatureConfig, num_frames
+    from asr.manifest import read_manifest
 
     stats = CMVNStats.load(tmp_path / "cmvn.json")
     utts = read_manifest(manifest)

@@ -11,8 +11,9 @@ from test_api import speechlike, write_model_file
 
 import asr.decode
 from asr.config import ConfigError
-from asr.data import ManifestError
-from asr.decode import JOURNAL, DecodingConfig, decode_manifest, duration_batches, format_wer, load_decoding_config
+from asr.decode import JOURNAL, DecodingConfig, decode_manifest, format_wer, load_decoding_config
+from asr.manifest import ManifestError
+from asr.sampler import greedy_batches, longest_first
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "decode"
 FAST = DecodingConfig(beam_size=4, batch_size=2, num_workers=0, device="cpu")
@@ -134,9 +135,9 @@ def test_decoding_configs(tmp_path):
         load_decoding_config(str(tmp_path / "bad.yaml"))
 
 
-def test_duration_batches():
+def test_decoding_batches_longest_first_with_a_count_cap():
     durations = [3.0, 10.0, 1.0, 2.0, 9.0, 2.5, 30.0]
-    batches = duration_batches(durations, 3, 20.0)
+    batches = greedy_batches(longest_first(durations), durations, 20.0, max_count=3)
     assert sorted(i for b in batches for i in b) == list(range(7))
     assert batches[0] == [6]  # longer than the cap: alone
     for b in batches:

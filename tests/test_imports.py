@@ -194,7 +194,6 @@ def test_a_circle_is_found_and_named(tmp_path):
 
 # -- the rules ---------------------------------------------------------------------------------
 
-@pytest.mark.xfail(reason="import circles through asr.search until the scorer leaf lands", strict=True)
 def test_no_import_circle(graph):
     found = cycles(graph)
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
@@ -215,7 +214,6 @@ def test_the_model_package_imports_only_itself_and_the_token_ids(graph):
         assert not extra, f"{name} imports {sorted(extra)}: asr/model uses nothing of ours but asr.tokens"
 
 
-@pytest.mark.xfail(reason="search and trainer import asr.model.asr_model until the restructure lands", strict=True)
 def test_model_classes_are_reached_through_the_package(graph):
     """Outside asr/model, the network is imported from `asr.model`, never from its modules."""
     inside = {name for name in graph if name.startswith("asr.model.")}

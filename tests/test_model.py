@@ -18,6 +18,7 @@ from asr.model import (
     Conv2dSubsampling,
     ModelConfig,
     MultiHeadAttention,
+    ReorderPlan,
     build_model,
     check_ctc_feasible,
     conv_output_length,
@@ -213,8 +214,9 @@ def test_cache_reorder_with_hints_copies_only_what_differs():
     index = torch.tensor([6, 7, 8, 3, 4, 3])
     shared_part = cache.self_kv[:, :, 5, :4].mul_(1 + 1e-7).clone()  # marked: a copy would undo it
     cache.self_kv[:, :, 5, 4] = 1e6  # differs: must be overwritten
-    cache = cache.reorder(index, moved=torch.tensor([0, 1, 2, 5]), shared=torch.tensor([0, 0, 0, 4]),
-                          copies=3 * 5 + 1, moved_groups=torch.tensor([0]))
+    plan = ReorderPlan(rows=torch.tensor([0, 1, 2, 5]), start=torch.tensor([0, 0, 0, 4]), copies=3 * 5 + 1,
+                       groups=torch.tensor([0]))
+    cache = cache.reorder(index, plan)
     assert torch.equal(cache.self_kv[:, :, 5, :4], shared_part)
     history = history[index]
     log_probs, cache = model.decoder.step(history[:, 5], memory, memory_lens, cache)

@@ -28,7 +28,8 @@ from asr.audio import SAMPLE_RATE, AudioError, iter_blocks, load_audio
 from asr.dataset import ASRDataset, Example, Skipped, collate
 from asr.features import FeatureConfig
 from asr.manifest import Utterance
-from asr.tokenizer import UNK, CharTokenizer
+from asr.tokenizer import CharTokenizer
+from asr.tokens import UNK
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

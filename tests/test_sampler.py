@@ -229,29 +229,24 @@ DECODE_BATCHES = [
 
 
 def decoding_batches(durations: list[float], batch_size: int, max_seconds: float) -> list[list[int]]:
-    """What asr.decode.duration_batches is: longest first, at most batch_size per batch."""
+    """What asr decode batches (asr.decode.decode_manifest): longest first, at most batch_size
+    per batch; before the split, asr.decode.duration_batches."""
     return greedy_batches(longest_first(durations), durations, max_seconds, max_count=batch_size)
 
 
 @pytest.mark.parametrize("setting, expected", DECODE_BATCHES, ids=[str(s) for s, _ in DECODE_BATCHES])
 def test_decoding_batches_are_those_recorded(setting, expected):
-    from asr.decode import duration_batches
-
     kind, batch_size, max_seconds = setting
     durations = recorded_durations(kind)
     assert digest(decoding_batches(durations, batch_size, max_seconds)) == expected
-    assert digest(duration_batches(durations, batch_size, max_seconds)) == expected
 
 
 def test_decoding_batches_small_cases():
-    from asr.decode import duration_batches
-
     durations = [3.0, 1.0, 2.0, 3.0, 0.5, 9.0, 1.0]
-    for batches in (decoding_batches, duration_batches):
-        assert batches(durations, 2, 6.0) == [[5], [0, 3], [2, 1], [6, 4]]
-        assert batches(durations, 10, 6.0) == [[5], [0, 3], [2, 1, 6], [4]]
-        assert batches(durations, 0, 6.0) == [[5], [0], [3], [2], [1], [6], [4]]
-        assert batches([], 4, 6.0) == []
+    assert decoding_batches(durations, 2, 6.0) == [[5], [0, 3], [2, 1], [6, 4]]
+    assert decoding_batches(durations, 10, 6.0) == [[5], [0, 3], [2, 1, 6], [4]]
+    assert decoding_batches(durations, 0, 6.0) == [[5], [0], [3], [2], [1], [6], [4]]
+    assert decoding_batches([], 4, 6.0) == []
 
 
 def test_greedy_batches_keeps_the_given_order():

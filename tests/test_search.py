@@ -165,38 +165,3 @@ def test_small_searches_run_on_the_threads_asked_for_and_restore_the_count(monke
     finally:
         torch.set_num_threads(before)
 
-
-def test_no_import_circle_in_the_package():
-    """The modules of asr import one way: no circle in the graph of their `asr` imports, those made
-    only for type checking (under TYPE_CHECKING) and inside functions included."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in (root / "asr").rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-            elif isinstance(node, ast.Import):
-                targets |= {alias.name for alias in node.names}
-        graph[name] = sorted(t for t in targets if t in modules and t != name)
-
-    def circle(node: str, path: list[str], done: set[str]) -> list[str] | None:
-        if node in path:
-            return path[path.index(node):] + [node]
-        if node in done:
-            return None
-        for target in graph[node]:
-            found = circle(target, [*path, node], done)
-            if found:
-                return found
-        done.add(node)
-        return None
-
-    done: set[str] = set()
-    for name in sorted(graph):
-        assert circle(name, [], done) is None, " -> ".join(circle(name, [], set()))

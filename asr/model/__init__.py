@@ -15,7 +15,7 @@ from asr.model.asr_model import (
     ctc_feasible,
 )
 from asr.model.attention import MultiHeadAttention, key_mask
-from asr.model.decoder import DecoderCache, TransformerDecoder
+from asr.model.decoder import DecoderCache, ReorderPlan, TransformerDecoder
 from asr.model.encoder import TransformerEncoder, sinusoidal_positions
 from asr.model.subsampling import Conv2dSubsampling, conv_output_length
 
@@ -25,6 +25,7 @@ __all__ = [
     "DecoderCache",
     "ModelConfig",
     "ModelOutput",
+    "ReorderPlan",
     "MultiHeadAttention",
     "TransformerDecoder",
     "TransformerEncoder",

@@ -69,9 +69,7 @@ class DecoderCache:
         """Hypotheses per utterance, N = R // B, fixed when the cache is made."""
         return self.rows // self.memory_kv.size(2)
 
-    def reorder(self, index: torch.Tensor, plan: ReorderPlan | None = None, *, moved: torch.Tensor | None = None,
-                shared: torch.Tensor | None = None, copies: int = 0,
-                moved_groups: torch.Tensor | None = None) -> DecoderCache:
+    def reorder(self, index: torch.Tensor, plan: ReorderPlan | None = None) -> DecoderCache:
         """Keep rows `index` (R',) long of this cache, in that order: row i continues row index[i].
 
         R' == R: each row must continue a row of its own utterance (beam search reordering).
@@ -80,8 +78,8 @@ class DecoderCache:
         `plan`: what may be left alone (see ReorderPlan); None: every changed row is copied whole.
         Updates in place and returns self.
         """
-        if plan is None:  # temporary: the keyword form, until tests/test_model.py passes a plan
-            plan = ReorderPlan(moved, shared, copies, moved_groups)
+        if plan is None:  # (a NamedTuple is always truthy: no `plan or ...`)
+            plan = ReorderPlan()
         moved = plan.rows if plan.rows is not None else _changed(index)
         if index.numel() < self.rows:
             self._keep_groups(index.view(-1, self.group)[:, 0] // self.group, plan.groups)
