@@ -1,4 +1,6 @@
-"""Shared fixtures: the real-speech folder (skipped when absent) and the test markers."""
+"""Shared fixtures: the real-speech folder (skipped when absent), the data modules' small corpus and
+character tokenizer (a test file with its own `corpus` or `tokenizer` fixture overrides them), and
+the test markers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,3 +43,19 @@ def realspeech() -> Path:
     if not REALSPEECH.is_dir():
         pytest.skip("../shared/realspeech is absent")
     return REALSPEECH
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Four good utterances (WAV and FLAC), then four bad ones (data_helpers.make_corpus)."""
+    from data_helpers import make_corpus
+
+    return make_corpus(tmp_path)
+
+
+@pytest.fixture
+def tokenizer():
+    """A character tokenizer of the corpus fixture's words."""
+    from asr.tokenizer import train_tokenizer
+
+    return train_tokenizer(["ONE TWO THREE FOUR X"], "char")

@@ -1,27 +1,13 @@
 """asr.dataset: the Dataset (features, tokens, skipped utterances, dither) and collate."""
 from __future__ import annotations
 
-import pytest
 import torch
-from data_helpers import FEATURES, RATE, make_corpus
+from data_helpers import FEATURES, RATE
 
 from asr.corpora import speed_perturb
 from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, split_skipped
 from asr.features import SpecAugmentConfig, fbank, num_frames
-from asr.manifest import Utterance
 from asr.metrics import normalize_text
-from asr.tokenizer import train_tokenizer
-
-
-@pytest.fixture
-def corpus(tmp_path) -> list[Utterance]:
-    """Four good utterances (WAV and FLAC), then four bad ones (see data_helpers.make_corpus)."""
-    return make_corpus(tmp_path)
-
-
-@pytest.fixture
-def tokenizer():
-    return train_tokenizer(["ONE TWO THREE FOUR X"], "char")
 
 
 def test_dataset_examples(corpus, tokenizer):

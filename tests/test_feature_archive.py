@@ -8,25 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import FEATURES, loader_config, make_corpus, write_audio
+from data_helpers import FEATURES, loader_config, write_audio
 
 from asr.dataset import ASRDataset, Skipped
 from asr.feature_archive import FeatureArchive, FeatureArchiveError
 from asr.features import GlobalCMVN, SpecAugmentConfig
 from asr.loader import compute_cmvn, make_loader
-from asr.manifest import Utterance
-from asr.tokenizer import train_tokenizer
-
-
-@pytest.fixture
-def corpus(tmp_path) -> list[Utterance]:
-    """Four good utterances (WAV and FLAC), then four bad ones (see data_helpers.make_corpus)."""
-    return make_corpus(tmp_path)
-
-
-@pytest.fixture
-def tokenizer():
-    return train_tokenizer(["ONE TWO THREE FOUR X"], "char")
 
 
 def test_dumped_features_are_the_computed_ones(corpus, tokenizer, tmp_path, caplog):

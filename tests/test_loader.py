@@ -4,28 +4,14 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-import pytest
 import torch
-from data_helpers import FEATURES, RATE, loader_config, make_corpus
+from data_helpers import FEATURES, RATE, loader_config
 
 import asr.loader
 from asr.dataset import ASRDataset, Batch
 from asr.feature_archive import FeatureArchive
 from asr.features import GlobalCMVN, num_frames
 from asr.loader import ASRDataLoader, compute_cmvn, make_loader
-from asr.manifest import Utterance
-from asr.tokenizer import train_tokenizer
-
-
-@pytest.fixture
-def corpus(tmp_path) -> list[Utterance]:
-    """Four good utterances (WAV and FLAC), then four bad ones (see data_helpers.make_corpus)."""
-    return make_corpus(tmp_path)
-
-
-@pytest.fixture
-def tokenizer():
-    return train_tokenizer(["ONE TWO THREE FOUR X"], "char")
 
 
 def test_make_loader_end_to_end(corpus, tokenizer, caplog, monkeypatch):
