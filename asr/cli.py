@@ -191,6 +191,17 @@ def _is_override(text: str) -> bool:
     return text.startswith("decoding.") and "=" in text
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, not {text!r}")
+    return value
+
+
 def _threads(count: int | None) -> int | None:
     """The thread policy of decode and transcribe (THREADS_HELP): --threads N sets torch's intra-op
     threads for the process; without it, small searches run on one thread (the search_threads of
@@ -302,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctc-weight", type=float, metavar="W")
     p.add_argument("--batch-size", type=int, metavar="B")
     p.add_argument("--device", metavar="D")
-    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+    p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
                    help="any field of asr.decode.DecodingConfig, after --config")
     p.set_defaults(func=cmd_decode)
@@ -322,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-word-bonus", type=float, metavar="B",
                    help="added per word with the LM, against its cost of each word (default: decoding.lm_word_bonus's)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+    p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",
                    help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")

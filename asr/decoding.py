@@ -28,7 +28,7 @@ from asr.model import ASRModel
 from asr.search import Hypothesis, Scorers, SearchOptions, check_fields, decode_memory
 from asr.tokenizer import Tokenizer
 
-__all__ = ["FEW_ROWS", "DecodingOptions", "DecodingTask"]
+__all__ = ["FEW_ROWS", "DecodingOptions", "DecodingTask", "intra_op_threads"]
 
 # A search over at most this many rows (utterances x beam) has operators too small to share among
 # threads (a LayerNorm of 10 x 256, a 10-row matmul): waking a second thread for each costs more
@@ -79,7 +79,10 @@ class DecodingTask:
         self.search_threads = search_threads
         self.rescorer = lm if lm is not None and not options.lm_fusion else None
         # rescoring ranks the whole beam; the search then returns all of it
-        self.search_options = dataclasses.replace(options, nbest=options.beam_size) if self.rescorer else options
+        search = {f.name: getattr(options, f.name) for f in dataclasses.fields(SearchOptions)}
+        if self.rescorer:
+            search["nbest"] = options.beam_size
+        self.search_options = SearchOptions(**search)  # the search's fields alone: the rest is the task's
         self.scorers = self._scorers(lexicon, lm if options.lm_fusion else None)
 
     def _scorers(self, lexicon: Lexicon | None, fused: NgramLM | None) -> Scorers:
@@ -119,7 +122,7 @@ class DecodingTask:
         options = self.search_options
         rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
         few = self.search_threads is not None and rows <= FEW_ROWS and memory.device.type == "cpu"
-        with _intra_op_threads(self.search_threads if few else None):
+        with intra_op_threads(self.search_threads if few else None):
             return decode_memory(self.model, memory, memory_lens, options, self.scorers)
 
     def rescore(self, nbest: tuple[Hypothesis, ...]) -> tuple[Hypothesis, ...]:
@@ -132,8 +135,9 @@ class DecodingTask:
 
 
 @contextmanager
-def _intra_op_threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to `count` inside the block (None: left alone)."""
+def intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside the block (None: left alone). It is
+    process-wide: DecodingTask uses it only when its caller asks (search_threads)."""
     before = torch.get_num_threads()
     if count is None or count == before:
         yield

@@ -568,6 +568,10 @@ def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tens
     """The n-best (at most options.nbest, best first) of each utterance of an encoder output;
     without encoder frames (input shorter than the subsampling's receptive field), the empty
     hypothesis with score 0. `scorers` (beam search only): what a decoding task adds (asr.decoding)."""
+    task_fields = [name for name in ("lexicon", "lm") if getattr(options, name, "")]  # asr.decoding's
+    if task_fields:
+        raise ValueError(f"decoding.{task_fields[0]} needs a decoding task (asr.decoding.DecodingTask), "
+                         "not the search alone")
     if scorers and options.mode != "attention":
         raise ValueError(f"decoding.mode = {options.mode!r}: scorers ({', '.join([*scorers.full, *scorers.partial])}) "
                          "apply to beam search (mode attention)")
@@ -581,8 +585,9 @@ def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tens
 @torch.no_grad()
 def search_nbest(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
                  options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
-    """Encode feats (B, T, n_mels), feat_lens (B,) and decode them as `options` say: the n-best
-    of each utterance, best first. The model should be in eval mode."""
+    """Encode feats (B, T, n_mels), feat_lens (B,) and search them as `options` say: the n-best
+    of each utterance, best first (the search alone: a lexicon or an LM is asr.decoding.DecodingTask's).
+    The model should be in eval mode."""
     memory, memory_lens = model.encoder(feats, feat_lens)
     return decode_memory(model, memory, memory_lens, options)
 

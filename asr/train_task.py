@@ -3,8 +3,9 @@ recognition's answers.
 
 The loop (asr.trainer) knows a batch only as something with `ids` (its examples); the task knows
 the rest: the loss of a batch and its normalizers, what is logged, what a validation measures,
-how a batch that ran out of memory is split. A language model would bring its own task and train
-through the same loop.
+how a batch that ran out of memory is split. The steps, accumulation, skipping and validation
+of the loop are the same for any task; a language model would bring its own task (the
+experiment's setup in asr.trainer.train, its tokenizer, CMVN and model file, is still speech's).
 
 ASRTask: the loss of a Batch is the model's joint CTC-attention loss, normalized by the target
 tokens (eos included) and utterances of the global batch; a validation sums the same losses and

@@ -37,6 +37,20 @@ def test_help_is_instant():
     assert out.stdout.strip() == "False"
 
 
+def test_the_mode_choices_are_the_searchs():
+    """cli.MODES is written out so that `asr --help` needs no torch; it must be search.MODES."""
+    from asr.cli import MODES
+    from asr.search import MODES as SEARCH_MODES
+
+    assert sorted(MODES) == sorted(SEARCH_MODES)
+
+
+@pytest.mark.parametrize("command", ["decode", "transcribe"])
+def test_threads_must_be_positive(command):
+    out = asr(command, "--threads", "0", "--help")
+    assert out.returncode == 2 and "--threads: must be an integer of at least 1" in out.stderr
+
+
 def test_wer_command(tmp_path):
     (tmp_path / "ref").write_text("u1 A B C D\nu2 HELLO WORLD\n")
     (tmp_path / "hyp").write_text("u1 a x c\nu2 Hello, world!\n")

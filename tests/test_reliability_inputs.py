@@ -4,7 +4,7 @@ Each gives one clear line naming the file, the line or the utterance: fatal wher
 (a malformed manifest line, a bad config, a broken corpus list), reported, counted and skipped
 where it says (audio that cannot be used). Audio that is only unusual (8 or 96 kHz, six
 channels, a single sample) works. The reader's own cases are in test_audio.py, the manifest
-reader's in test_data.py; here they meet the commands users run.
+reader's in test_manifest.py; here they meet the commands users run.
 """
 from __future__ import annotations
 

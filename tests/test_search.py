@@ -113,6 +113,17 @@ def test_options_are_validated(changes):
         SearchOptions(**changes)
 
 
+def test_the_search_alone_refuses_a_lexicon_or_an_lm():
+    """A lexicon or an LM is a decoding task's (asr.decoding): the search alone would drop it."""
+    from asr.decoding import DecodingOptions
+
+    model = small_model()
+    feats, feat_lens = torch.randn(1, 40, 16), torch.tensor([40])
+    for changes in ({"lexicon": "words.txt"}, {"lm": "lm.arpa"}):
+        with pytest.raises(ValueError, match=r"decoding\.(lexicon|lm) needs a decoding task"):
+            search(model, feats, feat_lens, DecodingOptions(**changes))
+
+
 def test_overfit_two_utterances_then_greedy_reproduces_them():
     """A tiny model trained on two utterances of random features decodes both exactly, with the
     attention decoder and with CTC."""

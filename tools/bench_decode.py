@@ -41,7 +41,25 @@ import torch
 
 from asr.config import read_yaml
 from asr.model import ASRModel, ModelConfig
-from asr.search import SearchOptions, decode_memory
+from asr.search import SearchOptions
+from asr.search import decode_memory as _decode_memory
+
+try:  # the thread policy of `asr decode` (a baseline tree from before asr.decoding applies it inside
+    # decode_memory)
+    from asr.decoding import FEW_ROWS, intra_op_threads
+except ImportError:
+    FEW_ROWS, intra_op_threads = 0, None
+
+
+def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, options: SearchOptions):
+    """asr.search.decode_memory under the commands' thread policy: a CPU search of at most FEW_ROWS
+    rows (utterances x beam) on one thread."""
+    rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
+    if intra_op_threads is None or rows > FEW_ROWS or memory.device.type != "cpu":
+        return _decode_memory(model, memory, memory_lens, options)
+    with intra_op_threads(1):
+        return _decode_memory(model, memory, memory_lens, options)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -94,7 +94,7 @@ def bench_training(model: ASRModel, rate: float, *, batch: int, seconds: float, 
 class AppendedCache(DecoderCache):
     """The alternative measured against: keys and values appended with torch.cat at every step."""
 
-    def reorder(self, index: torch.Tensor, **hints) -> DecoderCache:
+    def reorder(self, index: torch.Tensor, plan=None) -> DecoderCache:
         self.self_kv = self.self_kv.index_select(2, index)
         return self
 

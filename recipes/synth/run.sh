@@ -157,13 +157,9 @@ for path, what in zip(sys.argv[1:], whats):
 PY
   first=$(head -1 "$data/test.jsonl" | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
   echo "transcribing ${first%% |*} (reference: ${first#*| })"
-  # the search of stage 5's result (conf/decode/synth.yaml)
-  read -r beam lm_weight word_bonus < <(python -c 'import sys
-from asr.decode import load_decoding_config
-c = load_decoding_config(sys.argv[1])
-print(c.beam_size, c.lm_weight, c.lm_word_bonus)' "$root/conf/decode/synth.yaml")
-  asr transcribe --model "$exp/model_avg.pt" --beam-size "$beam" --lexicon "$data/words.txt" --lm "$data/lm.arpa" \
-    --lm-weight "$lm_weight" --lm-word-bonus "$word_bonus" "$data/${first%% |*}"
+  # the search of stage 5's result: the same decoding config, lexicon and LM
+  asr transcribe --model "$exp/model_avg.pt" --config "$root/conf/decode/synth.yaml" --lexicon "$data/words.txt" \
+    --lm "$data/lm.arpa" "$data/${first%% |*}"
 }
 run_stage 6 "results" results
 say "finished: stages $stage-$((stop_stage < 6 ? stop_stage : 6)) in $SECONDS s"

@@ -8,6 +8,7 @@ import spec  # tools/bench_peers/spec.py: bench.py's folder is on sys.path
 import torch
 
 from asr.dataset import ASRDataset, collate
+from asr.decoding import FEW_ROWS, intra_op_threads
 from asr.features import FeatureConfig, GlobalCMVN
 from asr.loader import compute_cmvn
 from asr.manifest import Utterance
@@ -57,7 +58,10 @@ class Ours:
             raise AssertionError("our max_len_ratio cut differs from spec.forced_lengths")
         options = SearchOptions(mode="attention", beam_size=beam_size, ctc_weight=ctc_weight,
                                 max_len_ratio=spec.TOKENS_PER_FRAME)
-        return [list(nbest[0].tokens) for nbest in decode_memory(self.model, memory, memory_lens, options)]
+        few = memory.size(0) * beam_size <= FEW_ROWS and memory.device.type == "cpu"
+        with intra_op_threads(1 if few else None):  # what `asr decode` / `asr transcribe` do by default
+            nbests = decode_memory(self.model, memory, memory_lens, options)
+        return [list(nbest[0].tokens) for nbest in nbests]
 
     def train_step(self, batch: spec.TrainBatch) -> float:
         self.model.train()
