@@ -240,7 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"asr {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_data_commands, _add_training_commands, _add_decoding_commands):
+        add(sub)
+    return parser
 
+
+def _add_data_commands(sub: argparse._SubParsersAction) -> None:
+    """prepare, tokenizer, lm, cmvn."""
     p = sub.add_parser("prepare", help="turn a corpus into JSON Lines manifests",
                        description="Turn a corpus into JSON Lines manifests (id, audio, duration, text).")
     corpora = p.add_subparsers(dest="corpus", metavar="CORPUS", required=True)
@@ -284,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the features (no dither, float16) to DIR for 'asr train --feats DIR'")
     p.set_defaults(func=cmd_cmvn)
 
+
+def _add_training_commands(sub: argparse._SubParsersAction) -> None:
+    """train, average."""
     p = sub.add_parser("train", help="train a model (one process, or torchrun for several GPUs)")
     p.add_argument("--config", required=True, metavar="CONF.yaml")
     p.add_argument("--train", required=True, metavar="TRAIN.jsonl")
@@ -303,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="MODEL.pt", help="default: EXP/model_avg.pt")
     p.set_defaults(func=cmd_average)
 
+
+def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
+    """decode, transcribe, wer."""
     p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)")
     p.add_argument("--model", required=True, metavar="MODEL.pt")
     p.add_argument("--manifest", required=True, metavar="TEST.jsonl")
@@ -346,7 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", metavar="FILE", help="write per-utterance alignments, worst first")
     p.add_argument("--json", action="store_true", help="also print the counts as JSON")
     p.set_defaults(func=cmd_wer)
-    return parser
 
 
 def _setup_logging(verbose: bool) -> None:
