@@ -1,10 +1,12 @@
 """Sentence generator of the synthetic-speech recipe: word lists and templates written for it.
 
-Two disjoint template sets share one vocabulary: TRAIN_TEMPLATES (training and dev sentences) and
-TEST_TEMPLATES (test sentences), so that the test set measures the recognizer on sentence frames it
-never heard, not on words it never heard: every slot kind (verb forms included) of a test template
-is used by some training template, and every literal word of a test template is in some training
-template.
+Three worlds share one vocabulary and no template: the training templates, the dev templates
+(DEV_TEMPLATE_COUNT of TRAIN_TEMPLATES held out with the seed, `dev_templates`) and TEST_TEMPLATES,
+so that dev and test measure the recognizer on sentence frames it never heard: every slot kind
+(verb forms included) and literal word of a dev or test template is used by some training
+template. Words are the other way: dev and test each hold their own unseen words (`unseen_words`:
+a share of the names, places, things, foods, animals and jobs) that no training or LM sentence
+ever holds.
 
 A template is a string of literal words and slots: `{kind}` or `{kind:form}` (verb forms: base,
 past, ing, s, pp). Each slot draws a phrase from the word lists below. Output is normalized the
@@ -14,8 +16,8 @@ The recipe's training set replaces most template sentences by spliced ones (`spl
 of 2-5 words cut from several training sentences and joined, so that the model learns words and
 word pairs rather than whole frames; and a tenth of them by random words of the vocabulary
 (`random_words_some`), so that it does not hold on to the word pairs either. A clause grammar
-(`clauses`) writes more English word sequences for the recipe's word LM (text only, no audio),
-kept out of the test frames as the training templates are.
+(`clauses`) writes more English word sequences for the recipe's word LM (text only, no audio)
+from the training vocabulary, knowing nothing of the dev and test templates.
 
     python recipes/synth/local/make_text.py --num 5 --split test --seed 1   # Kaldi-style lines
 """
@@ -784,11 +786,18 @@ _SLOT = re.compile(r"\{(\w+)(?::(\w+))?\}")
 _NORMALIZED = re.compile(r"^[A-Z0-9]+(?:'[A-Z0-9]+)*(?: [A-Z0-9]+(?:'[A-Z0-9]+)*)*$")
 
 
-def templates(split: str) -> list[str]:
-    """The templates of a split: "train" (and dev) or "test"."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-    return TRAIN_TEMPLATES if split == "train" else TEST_TEMPLATES
+SPLITS = ("train", "dev", "test")
+
+
+def templates(split: str, seed: int = 0) -> list[str]:
+    """The templates of a split: "test" has TEST_TEMPLATES, "dev" the training templates that
+    dev_templates(seed) holds out, "train" the rest of TRAIN_TEMPLATES."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+    if split == "test":
+        return TEST_TEMPLATES
+    held = set(dev_templates(seed))
+    return [t for t in TRAIN_TEMPLATES if (t in held) == (split == "dev")]
 
 
 def slot_kinds(template: str) -> set[str]:
@@ -839,12 +848,14 @@ class _DeckRandom(random.Random):
 
 
 def iter_sentences(split: str, seed: int) -> Iterator[str]:
-    """Endless stream of distinct sentences of a split, deterministic given (split, seed)."""
+    """Endless stream of distinct sentences of a split's templates, deterministic given (split,
+    seed), without the words the split must not hear (`excluded_words`): a draw that has one is
+    dropped."""
     rng = _DeckRandom(f"synth-text:{split}:{seed}")
-    pool, seen = templates(split), set()
+    pool, seen, excluded = templates(split, seed), set(), excluded_words(split, seed)
     while True:
         sentence = fill(rng.choice(pool), rng)
-        if sentence not in seen:
+        if sentence not in seen and excluded.isdisjoint(sentence.split()):
             seen.add(sentence)
             yield sentence
 
@@ -857,6 +868,99 @@ def make_sentences(n: int, split: str = "train", seed: int = 0) -> list[str]:
     """
     stream = iter_sentences(split, seed)
     return [next(stream) for _ in range(n)]
+
+
+# --- three worlds: dev templates held out of training, words heard only in dev or only in test ------
+#
+# Train, dev and test share no template: dev_templates(seed) takes DEV_TEMPLATE_COUNT training
+# templates out of training, as TEST_TEMPLATES are, so that dev measures new sentence frames the way
+# test does and every decoding choice can be made on it. And each of dev and test has its own
+# unseen words (unseen_words): open-class words (names, places, things, foods, animals, jobs) that
+# no training sentence, spliced or random-word sentence, or LM sentence ever holds, so that the
+# open-vocabulary figure measures spelling from sound and the lexicon's cost shows.
+
+DEV_TEMPLATE_COUNT = 28  # as many as TEST_TEMPLATES
+UNSEEN_SHARE = 0.15  # of the open-class words (UNSEEN_LISTS), held out for dev, and as many for test
+
+
+def _literal_runs(template: str) -> set[tuple[str, ...]]:
+    """Every run of three literal (non-slot) words of a template."""
+    tokens = template.split()
+    return {tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2) if not any("{" in t for t in tokens[i:i + 3])}
+
+
+def _covers(trained: Sequence[str], held: Sequence[str]) -> bool:
+    """Every slot kind (verb forms included) and literal word of the held-out templates is used by
+    some training template: held-out sets bring new frames, not new slot kinds or frame words."""
+    kinds = set().union(*map(slot_kinds, trained))
+    words = {w for t in trained for w in _SLOT.sub(" ", t).split()}
+    return all(slot_kinds(t) <= kinds and set(_SLOT.sub(" ", t).split()) <= words for t in held)
+
+
+def dev_templates(seed: int) -> list[str]:
+    """DEV_TEMPLATE_COUNT training templates held out for dev, drawn with the seed: each shares no
+    run of three literal words with a template left for training, and what is left still covers
+    the dev and test templates' slot kinds and literal words (`_covers`). In TRAIN_TEMPLATES order."""
+    order = random.Random(f"synth-dev-templates:{seed}").sample(TRAIN_TEMPLATES, len(TRAIN_TEMPLATES))
+    held: list[str] = []
+    for t in order:
+        if len(held) == DEV_TEMPLATE_COUNT:
+            break
+        rest = [r for r in TRAIN_TEMPLATES if r != t and r not in held]
+        runs = set().union(*map(_literal_runs, rest))
+        if not _literal_runs(t) & runs and _covers(rest, [*held, t, *TEST_TEMPLATES]):
+            held.append(t)
+    chosen = set(held)
+    return [t for t in TRAIN_TEMPLATES if t in chosen]
+
+
+UNSEEN_LISTS = (FIRST_NAMES, SURNAMES, CITIES, COUNTRIES, THINGS, FOODS, ANIMALS, JOBS)
+
+
+def _families() -> dict[str, frozenset[str]]:
+    """The open-class words that may be held out, each with the words made of it (plural,
+    possessive): only single words that nothing else in the generator writes (no other list,
+    verb form, template or glue word), so holding one out removes exactly its family."""
+    made: dict[str, int] = {}
+    def count(words: Iterable[str]) -> None:
+        for w in words:
+            made[w] = made.get(w, 0) + 1
+    lists = [FIRST_NAMES, SURNAMES, CITIES, COUNTRIES, TOWN_PLACES, THINGS, FOODS, MASS_FOODS, DRINKS, ANIMALS,
+             JOBS, RELATIVES, COLORS, ADJECTIVES, FEELINGS, ADVERBS, SPORTS, ACTIVITIES, SUBJECTS, WEATHER, DAYS,
+             MONTHS, SEASONS, PARTS_OF_DAY, DURATIONS, DISTANCES, PHRASES, SLOT_GLUE, _ONES, _TENS, _ORDINAL_ONES,
+             _ORDINAL_TENS, [plural(w) for w in THINGS + FOODS + ANIMALS], [n + "'S" for n in FIRST_NAMES],
+             [f for verbs in VERBS.values() for v in verbs for f in _regular_forms(v)],
+             [_SLOT.sub(" ", t) for t in TRAIN_TEMPLATES + TEST_TEMPLATES]]
+    for entries in lists:
+        count({w for entry in entries for w in entry.split()})
+    families = {}
+    for entries in UNSEEN_LISTS:
+        for w in entries:
+            family = {w}
+            if entries in (THINGS, FOODS, ANIMALS):
+                family.add(plural(w))
+            if entries is FIRST_NAMES:
+                family.add(w + "'S")
+            if " " not in w and all(made.get(f, 0) == 1 for f in family):
+                families[w] = frozenset(family)
+    return families
+
+
+def unseen_words(split: str, seed: int) -> frozenset[str]:
+    """The words only `split` ("dev" or "test") may hold: UNSEEN_SHARE of the open-class words
+    (`_families`) for each, drawn with the seed, disjoint, with their plurals and possessives."""
+    if split not in ("dev", "test"):
+        raise ValueError(f"unseen words are dev's or test's, not {split!r}")
+    families = _families()
+    words = random.Random(f"synth-unseen:{seed}").sample(sorted(families), len(families))
+    k = round(UNSEEN_SHARE * len(words))
+    chosen = words[:k] if split == "dev" else words[k:2 * k]
+    return frozenset(f for w in chosen for f in families[w])
+
+
+def excluded_words(split: str, seed: int) -> frozenset[str]:
+    """Words a split never holds: the other held-out splits' unseen words (training: both)."""
+    return frozenset().union(*(unseen_words(s, seed) for s in ("dev", "test") if s != split))
 
 
 SPLICE_RUN = (2, 5)  # words in each run taken from a sentence
@@ -906,7 +1010,8 @@ def splice_some(sentences: Sequence[str], fraction: float, seed: int, avoid: Ite
 
 def random_words_some(sentences: Sequence[str], fraction: float, seed: int) -> list[str]:
     """`sentences` with about `fraction` of them (chosen at random) replaced by SPLICE_LENGTH
-    words drawn uniformly from the whole vocabulary: deterministic given the seed.
+    words drawn uniformly from the training vocabulary (without the words held out for dev and
+    test): deterministic given the seed.
 
     Why: spliced sentences still keep the training templates' word pairs inside their runs, and the
     decoder learns those pairs as a language model; the test frames put common words in pairs the
@@ -915,7 +1020,7 @@ def random_words_some(sentences: Sequence[str], fraction: float, seed: int) -> l
     """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"the random-word fraction must be within [0, 1], not {fraction}")
-    rng, words = random.Random(f"synth-salad:{seed}"), sorted(vocabulary())
+    rng, words = random.Random(f"synth-salad:{seed}"), sorted(vocabulary() - excluded_words("train", seed))
     out = []
     for sentence in sentences:
         if rng.random() < fraction:
@@ -950,8 +1055,7 @@ def vocabulary() -> set[str]:
 # The templates give the LM their frames only, and the test frames are new by design, so an LM of
 # template sentences knows WE WERE but not WE WILL. This grammar writes ordinary clauses from the
 # same word lists (tenses, modals, negation, questions, clauses joined or embedded) for the LM's
-# text alone; no audio is made from it. As for the training templates, no sentence shares a run of
-# three words with a test template's literal words, or has a test template's form (`clauses`).
+# text alone; no audio is made from it.
 
 _BE = {"1s": ("AM", "WAS"), "2": ("ARE", "WERE"), "pl": ("ARE", "WERE"), "3s": ("IS", "WAS")}
 _PRONOUNS = (("I", "1s"), ("YOU", "2"), ("WE", "pl"), ("THEY", "pl"), ("HE", "3s"), ("SHE", "3s"),
@@ -1076,30 +1180,19 @@ def clause_sentence(rng: random.Random) -> str:
     return f"{rng.choice(_FRAMES)} {_clause(rng)}"
 
 
-def test_frame_runs() -> set[tuple[str, ...]]:
-    """Every run of three literal words of a test template."""
-    runs = set()
-    for template in TEST_TEMPLATES:
-        tokens = template.split()
-        runs |= {tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2) if not any("{" in t for t in tokens[i:i + 3])}
-    return runs
-
-
 def clauses(n: int, seed: int = 0, max_words: int = 16) -> list[str]:
     """n distinct sentences of the clause grammar, deterministic given the seed: each of the
-    generator's vocabulary, at most max_words long, sharing no run of three words with a test
-    template's literal words, and not of a test template's form (a draw that is is drawn again)."""
+    training vocabulary (none of the words held out for dev or test), at most max_words long (a
+    draw that is not is drawn again). The grammar is written from the word lists alone: it knows
+    nothing of the dev or test templates."""
     rng = _DeckRandom(f"synth-clauses:{seed}")
-    runs, vocab = test_frame_runs(), vocabulary()
-    forms = [re.compile("^" + _SLOT.sub(lambda m: ".+", t) + "$") for t in TEST_TEMPLATES]
+    vocab = vocabulary() - excluded_words("train", seed)
     out: list[str] = []
     seen: set[str] = set()
     while len(out) < n:
         sentence = " ".join(clause_sentence(rng).split())
         words = sentence.split()
-        if (len(words) > max_words or sentence in seen or not vocab.issuperset(words)
-                or any(tuple(words[i:i + 3]) in runs for i in range(len(words) - 2))
-                or any(f.match(sentence) for f in forms)):
+        if len(words) > max_words or sentence in seen or not vocab.issuperset(words):
             continue
         seen.add(sentence)
         out.append(sentence)
@@ -1109,7 +1202,7 @@ def clauses(n: int, seed: int = 0, max_words: int = 16) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num", type=int, default=10, help="number of sentences")
-    parser.add_argument("--split", choices=["train", "test"], default="train")
+    parser.add_argument("--split", choices=SPLITS, default="train")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for i, sentence in enumerate(make_sentences(args.num, args.split, args.seed)):

@@ -1,23 +1,28 @@
 """Stage 0 of the synthetic-speech recipe: a corpus spoken by eSpeak NG (PyPI `espeakng-loader`).
 
     python recipes/synth/local/synthesize.py --out-dir DATA --num-train N --num-dev M --num-test K \\
-        [--seed S] [--text FILE] [--jobs J] [--test-accents en-gb-scotland,en-us-nyc] [--spliced F]
-        [--random-words F] [--lm-sentences N] [--lm-clauses N]
+        [--seed S] [--text FILE] [--jobs J] [--dev-accents en-029,en-gb-x-gbcwmd]
+        [--test-accents en-gb-scotland,en-us-nyc] [--spliced F] [--random-words F] [--lm-sentences N]
+        [--lm-clauses N]
 
 writes DATA/wav/<split>/<id>.flac (16 kHz mono 16-bit FLAC) and DATA/{train,dev,test}.jsonl,
 manifests in the DESIGN.md format: {"id", "audio" (relative to DATA), "duration" (frames / 16000,
 exact), "text" (normalized), "speaker" ("<accent>+<variant>")}, sorted by id; with the generator,
 also DATA/lm_text.txt: more sentences of the training templates, then sentences of a clause grammar
-(make_text.clauses; none of train, dev or test), one per line, for the word LM.
+(make_text.clauses), one per line, for the word LM; and DATA/corpus.json, what the worlds are (the
+seed, the accents and templates of each split, the unseen words' share of dev and test).
 
-Splits. train: sentences of the training templates, a fraction of them (--spliced) replaced by
-sentences spliced from runs of words of the others, then a fraction (--random-words) by random
-words of the vocabulary, training accents. dev: other sentences of the training templates (none
-in train), training accents. test: sentences of the test templates (none in train or dev), spoken
-only in the held-out accents: whole eSpeak language voices, not variants of trained ones. Every
-utterance draws its voice variant, speed (words per minute), pitch, pitch range, volume and edge
-silences at random; the plan is deterministic given the seed (the samples are not bit-exact:
-eSpeak keeps state between utterances).
+Three worlds that share no sentence template, no voice and no unseen word. train: sentences of the
+training templates, a fraction of them (--spliced) replaced by sentences spliced from runs of words
+of the others, then a fraction (--random-words) by random words of the training vocabulary, spoken
+in the training accents. dev: sentences of the dev templates (training templates held out with the
+seed, make_text.dev_templates), spoken only in the dev accents, with dev's unseen words. test:
+sentences of the test templates, spoken only in the test accents, with test's unseen words
+(make_text.unseen_words: words that no training, dev or LM sentence holds). The accents are whole
+eSpeak language voices, not variants of trained ones; local/accents.py measures how far apart they
+are. Every utterance draws its voice variant, speed (words per minute), pitch, pitch range, volume
+and edge silences at random; the plan is deterministic given the seed (the samples are not
+bit-exact: eSpeak keeps state between utterances).
 
 Re-running is cheap: a FLAC whose stored plan key matches is kept; files are written to a
 temporary name and renamed, and manifests are written last, atomically. eSpeak is not
@@ -39,7 +44,6 @@ import re
 import sys
 import time
 import unicodedata
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -53,7 +57,18 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
-from make_text import clauses, make_sentences, number_words, ordinal_words, random_words_some, splice_some  # noqa: E402 (this script's folder)
+from make_text import (  # noqa: E402 (this script's folder)
+    DEV_TEMPLATE_COUNT,
+    TEST_TEMPLATES,
+    TRAIN_TEMPLATES,
+    clauses,
+    make_sentences,
+    number_words,
+    ordinal_words,
+    random_words_some,
+    splice_some,
+    unseen_words,
+)
 
 from asr.fileio import atomic_open  # noqa: E402
 
@@ -64,6 +79,9 @@ SPLITS = ("train", "dev", "test")
 # "en" meant for the Shavian alphabet and sounds the same on Latin text.
 ACCENTS = ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029",
            "en-gb-scotland", "en-us-nyc")
+# Held-out accents, each split its own (the rest train): one far from every training accent and
+# one near one, for dev as for test (local/accents.py and recipes/README.md give the distances).
+DEV_ACCENTS = ("en-029", "en-gb-x-gbcwmd")
 TEST_ACCENTS = ("en-gb-scotland", "en-us-nyc")
 # Voice variants (espeak-ng-data/voices/!v) that sound like people; "" is the accent's own voice.
 # Left out: whisper, robots, echo-heavy and novelty variants (croak, Demonic, zac, ...).
@@ -89,21 +107,16 @@ TRIMMED_EDGE = 0.2
 NOISE_SNR_DB = (30.0, 50.0)
 # Training sentences replaced by spliced ones (runs of words from other training sentences, no
 # template frame; see make_text.splice_some), so that the model does not learn the templates as a
-# language model; 80% did better than half or all of them (recipes/README.md).
+# language model.
 SPLICED = 0.8
 # Training sentences then replaced by random words of the vocabulary (make_text.random_words_some):
-# new word orders for the acoustic model. A tenth buys most of the gain on new word orders without
-# the cost on the training frames that a quarter has.
+# new word orders for the acoustic model.
 RANDOM_WORDS = 0.1
 # Sentences of the training templates written to lm_text.txt for the recipe's word LM (run.sh stage
-# 1, beside the training transcripts): the training stream continued past dev, so none is a
-# training, dev or test sentence. More text than the transcripts alone lowers the LM-rescored WER
-# on every diagnostic set, for a few seconds of generation and LM training.
+# 1, beside the training transcripts): the training stream continued past the training sentences.
 LM_SENTENCES = 300_000
-# Sentences of make_text's clause grammar written to lm_text.txt after those: word sequences the
-# templates lack (WE WILL, SHOULD HAVE, IF IT), none sharing three words in a row with a test
-# template's literal words. They help most on the new sentence frames of the test set and cost
-# a few seconds in stages 0 and 1; 300,000 of them did no better overall.
+# Sentences of make_text's clause grammar written to lm_text.txt after those: word sequences of the
+# training vocabulary that the templates lack (WE WILL, SHOULD HAVE, IF IT).
 LM_CLAUSES = 100_000
 
 # speak_lib.h
@@ -180,36 +193,47 @@ def plan_split(split: str, texts: list[str], voice_list: list[str], seed: int) -
 
 def generated_texts(num: dict[str, int], seed: int, spliced: float = SPLICED,
                     random_words: float = RANDOM_WORDS) -> dict[str, list[str]]:
-    """Sentences of the built-in generator: dev continues the training stream (so no dev sentence is
-    a training one); a `spliced` fraction of train is replaced by sentences spliced from the others
-    (make_text.splice_some), then a `random_words` fraction by random words of the vocabulary
-    (make_text.random_words_some); test comes from the test templates, minus any sentence also in
-    train or dev."""
-    stream = make_sentences(num["train"] + num["dev"], "train", seed)
-    dev = stream[num["train"]:]
-    test = make_sentences(2 * num["test"] + 10, "test", seed)
-    train = splice_some(stream[:num["train"]], spliced, seed, avoid=set(dev) | set(test))
-    train = random_words_some(train, random_words, seed)
-    seen = set(train) | set(dev)
-    test = [s for s in test if s not in seen]
-    if len(test) < num["test"]:
-        raise SynthError(f"only {len(test)} distinct test sentences for --num-test {num['test']}")
-    return {"train": train, "dev": dev, "test": test[:num["test"]]}
+    """Sentences of the built-in generator, each split from its own templates (make_text): a
+    `spliced` fraction of train is replaced by sentences spliced from the others
+    (make_text.splice_some, never a dev or test sentence), then a `random_words` fraction by random
+    words of the training vocabulary (make_text.random_words_some)."""
+    dev = make_sentences(num["dev"], "dev", seed)
+    test = make_sentences(num["test"], "test", seed)
+    train = splice_some(make_sentences(num["train"], "train", seed), spliced, seed, avoid=set(dev) | set(test))
+    return {"train": random_words_some(train, random_words, seed), "dev": dev, "test": test}
 
 
-def lm_sentences(num: dict[str, int], seed: int, count: int = LM_SENTENCES, avoid: Iterable[str] = ()) -> list[str]:
-    """`count` sentences of the training templates for the word LM: the stream of generated_texts
-    continued past its training and dev sentences (so distinct from them), minus `avoid` (test)."""
-    start = num["train"] + num["dev"]
-    skip = set(avoid)
-    return [s for s in make_sentences(start + count, "train", seed)[start:] if s not in skip]
+def lm_sentences(num: dict[str, int], seed: int, count: int = LM_SENTENCES) -> list[str]:
+    """`count` sentences of the training templates for the word LM: the training stream of
+    generated_texts continued past its training sentences (so distinct from them)."""
+    start = num["train"]
+    return make_sentences(start + count, "train", seed)[start:]
 
 
-def lm_clauses(count: int, seed: int, avoid: Iterable[str] = ()) -> list[str]:
-    """`count` sentences of the clause grammar (make_text.clauses) for the word LM, minus `avoid`
-    (the spoken sentences: a clause is rarely one of them)."""
-    skip = set(avoid)
-    return [s for s in clauses(count, seed) if s not in skip]
+def lm_clauses(count: int, seed: int) -> list[str]:
+    """`count` sentences of the clause grammar (make_text.clauses) for the word LM."""
+    return clauses(count, seed)
+
+
+def corpus_card(texts: dict[str, list[str]], seed: int, accents: dict[str, tuple[str, ...]],
+                generated: bool) -> dict[str, Any]:
+    """What the corpus is, for DATA/corpus.json and the results: the seed, each split's accents,
+    sentences and words, and (generated text) its templates and the share of its words that no
+    training or LM sentence holds."""
+    card: dict[str, Any] = {"seed": seed, "text": "generated" if generated else "file", "splits": {}}
+    for split, sentences in texts.items():
+        tokens = [w for s in sentences for w in s.split()]
+        entry: dict[str, Any] = {"accents": list(accents[split]), "sentences": len(sentences),
+                                 "words": len(tokens), "distinct_words": len(set(tokens))}
+        if generated:
+            entry["templates"] = {"train": len(TRAIN_TEMPLATES) - DEV_TEMPLATE_COUNT, "dev": DEV_TEMPLATE_COUNT,
+                                  "test": len(TEST_TEMPLATES)}[split]
+            if split != "train":
+                unseen = unseen_words(split, seed)
+                entry["unseen_words"] = sum(w in unseen for w in tokens)
+                entry["unseen_distinct_words"] = len(unseen & set(tokens))
+        card["splits"][split] = entry
+    return card
 
 
 def file_texts(path: Path, num: dict[str, int], seed: int) -> dict[str, list[str]]:
@@ -451,11 +475,15 @@ def write_manifest(path: Path, utts: list[Utt], frames: dict[str, int]) -> None:
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
-def check_voices(test_accents: tuple[str, ...]) -> None:
-    """Refuse unknown accents or variants before starting (eSpeak silently ignores an unknown variant)."""
-    unknown = [a for a in test_accents if a not in ACCENTS]
-    if unknown or len(test_accents) in (0, len(ACCENTS)):
-        raise SynthError(f"--test-accents {','.join(test_accents)}: choose some, not all, of {', '.join(ACCENTS)}")
+def check_voices(test_accents: tuple[str, ...], dev_accents: tuple[str, ...] = DEV_ACCENTS) -> None:
+    """Refuse unknown or shared accents, or none left for training, and unknown variants, before
+    starting (eSpeak silently ignores an unknown variant)."""
+    for flag, chosen in (("--test-accents", test_accents), ("--dev-accents", dev_accents)):
+        if not chosen or any(a not in ACCENTS for a in chosen):
+            raise SynthError(f"{flag} {','.join(chosen)}: choose some of {', '.join(ACCENTS)}")
+    if set(test_accents) & set(dev_accents) or len(set(test_accents) | set(dev_accents)) == len(ACCENTS):
+        raise SynthError(f"--dev-accents {','.join(dev_accents)} and --test-accents {','.join(test_accents)} "
+                         f"must be disjoint and leave some of {', '.join(ACCENTS)} for training")
     variant_dir = Path(_loader().get_data_path()) / "voices" / "!v"
     missing = [v for v in VARIANTS if v and not (variant_dir / v).is_file()]
     if missing:
@@ -464,31 +492,33 @@ def check_voices(test_accents: tuple[str, ...]) -> None:
 
 def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text_file: Path | None = None,
                       jobs: int = 1, test_accents: tuple[str, ...] = TEST_ACCENTS,
+                      dev_accents: tuple[str, ...] = DEV_ACCENTS,
                       spliced: float = SPLICED, random_words: float = RANDOM_WORDS,
                       lm_count: int = LM_SENTENCES, lm_clause_count: int = LM_CLAUSES) -> dict[str, list[Utt]]:
     """Plan, synthesize and write the corpus; returns the plan of each split. With the generator
     (no text_file), also writes lm_count sentences of the training templates (lm_sentences) and
     lm_clause_count of the clause grammar (lm_clauses) for the word LM to lm_text.txt."""
-    check_voices(test_accents)
+    check_voices(test_accents, dev_accents)
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = file_texts(text_file, num, seed) if text_file else generated_texts(num, seed, spliced, random_words)
-    train_accents = tuple(a for a in ACCENTS if a not in test_accents)
-    voice_lists = {"train": voices(train_accents), "dev": voices(train_accents), "test": voices(test_accents)}
-    plan = {s: plan_split(s, texts[s], voice_lists[s], seed) for s in SPLITS}
+    accents = {"train": tuple(a for a in ACCENTS if a not in test_accents + dev_accents), "dev": dev_accents,
+               "test": test_accents}
+    plan = {s: plan_split(s, texts[s], voices(accents[s]), seed) for s in SPLITS}
     all_utts = [u for s in SPLITS for u in plan[s]]
     started = time.time()
     frames, reused = run_plan(all_utts, out_dir, jobs)
     elapsed = time.time() - started
     for split in SPLITS:
         write_manifest(out_dir / f"{split}.jsonl", plan[split], frames)
+    with atomic_open(out_dir / "corpus.json") as f:
+        f.write(json.dumps(corpus_card(texts, seed, accents, text_file is None), indent=1) + "\n")
     lm_text = out_dir / "lm_text.txt"
     if text_file or not lm_count + lm_clause_count:
         lm_text.unlink(missing_ok=True)  # not one of an earlier run with the generator
     else:
-        spoken = [t for s in SPLITS for t in texts[s]]
-        with atomic_open(lm_text) as f:
-            f.writelines(f"{line}\n" for line in lm_sentences(num, seed, lm_count, avoid=texts["test"]))
-            f.writelines(f"{line}\n" for line in lm_clauses(lm_clause_count, seed, avoid=spoken))
+        with atomic_open(lm_text) as f:  # written without looking at dev or test
+            f.writelines(f"{line}\n" for line in lm_sentences(num, seed, lm_count))
+            f.writelines(f"{line}\n" for line in lm_clauses(lm_clause_count, seed))
     made = len(all_utts) - reused
     seconds = sum(frames.values()) / SAMPLE_RATE
     print(f"synthesize: {len(all_utts)} utterances ({seconds / 3600:.2f} h) in {out_dir}: {made} made, "
@@ -507,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--text", type=Path, help="sentences to speak instead of the generator's, one per line")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument("--dev-accents", default=",".join(DEV_ACCENTS),
+                        help=f"held-out accents, spoken only in dev (of {', '.join(ACCENTS)})")
     parser.add_argument("--test-accents", default=",".join(TEST_ACCENTS),
                         help=f"held-out accents, spoken only in test (of {', '.join(ACCENTS)})")
     parser.add_argument("--spliced", type=float, default=SPLICED,
@@ -527,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be within [0, 1]")
     try:
         synthesize_corpus(args.out_dir, num, seed=args.seed, text_file=args.text, jobs=args.jobs,
-                          test_accents=tuple(filter(None, args.test_accents.split(","))), spliced=args.spliced,
+                          test_accents=tuple(filter(None, args.test_accents.split(","))),
+                          dev_accents=tuple(filter(None, args.dev_accents.split(","))), spliced=args.spliced,
                           random_words=args.random_words, lm_count=args.lm_sentences,
                           lm_clause_count=args.lm_clauses)
     except (SynthError, OSError) as e:
