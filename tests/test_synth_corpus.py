@@ -281,7 +281,8 @@ def test_manifests_match_the_flac_files(corpus):
 def test_audio_has_a_noise_floor_at_the_planned_snr(corpus):
     """No digital silence (it decodes to a log-mel floor that training, with its dither, never
     sees): the edges hold the planned white noise, speech RMS / noise RMS = the plan's snr_db."""
-    plans = synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1)
+    plans = synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1, lm_count=50,
+                                         lm_clause_count=20)
     plan = {u.id: u for split in ("train", "dev") for u in plans[split]}
     checked = 0
     for u in read_jsonl(corpus / "train.jsonl") + read_jsonl(corpus / "dev.jsonl"):
@@ -339,7 +340,8 @@ def test_rerun_keeps_finished_files_and_remakes_stale_ones(corpus, capsys):
     stale = corpus / "wav" / "dev" / "dev-000000.flac"
     sf.write(str(stale), np.zeros(1600, np.int16), 16000, format="FLAC")  # no plan key: must be remade
     before = {p: p.stat().st_mtime_ns for p in corpus.glob("wav/*/*.flac") if p != stale}
-    synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=1)
+    synthesize.synthesize_corpus(corpus, {"train": 3, "dev": 3, "test": 3}, seed=1, jobs=1, lm_count=50,
+                                 lm_clause_count=20)
     assert "1 made, 8 kept" in capsys.readouterr().err
     assert before == {p: p.stat().st_mtime_ns for p in corpus.glob("wav/*/*.flac") if p != stale}
     dev = {u["id"]: u for u in read_jsonl(corpus / "dev.jsonl")}

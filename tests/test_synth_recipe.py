@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from asr.lm import NgramLM
 
@@ -75,19 +76,24 @@ def test_a_bad_override_stops_before_any_stage(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_ablation_decodes_only_with_their_flag(tmp_path):
-    """Stages 0-6 on a tiny corpus: stage 5 decodes the recipe's result alone; --ablations adds
-    the lexicon-only and open-vocabulary decodes, and the table shows what was decoded."""
-    tiny = ["--config", str(ROOT / "conf" / "tiny.yaml"), "--nproc", "1", "training.epochs=2"]
-    out = run(tmp_path, *tiny)
+def test_stage_5_chooses_on_dev_then_decodes_dev_and_test_three_ways(tmp_path):
+    """Stages 0-6 on a tiny corpus: dev and test decoded with neither lexicon nor LM, with the
+    lexicon (the whole beam kept), and with the lexicon and the LM at the weights local/tune.py
+    chose on dev's beam; stage 6's table gives dev beside test, per accent."""
+    out = run(tmp_path, "--config", str(ROOT / "conf" / "tiny.yaml"), "--nproc", "1", "training.epochs=2")
     exp = tmp_path / "exp"
-    assert json.loads((exp / "decode_test" / "wer.json").read_text())["utterances"] == 4
-    assert not (exp / "decode_test_nolm").exists() and not (exp / "decode_test_open").exists()
-    assert "not decoded: no " in out and "(--stage 5 --ablations)" in out
-    assert "stage 6 took" in out
-
-    out = run(tmp_path, "--stage", "5", "--ablations", *tiny)
-    assert "stage 3" not in out and "stage 5 took" in out
-    for name in ("decode_test", "decode_test_nolm", "decode_test_open"):
-        assert json.loads((exp / name / "wer.json").read_text())["utterances"] == 4
-    assert "not decoded" not in out
+    for s in ("dev", "test"):
+        for suffix in ("_open", "_lexicon", ""):
+            assert json.loads((exp / f"decode_{s}{suffix}" / "wer.json").read_text())["utterances"] == 4
+        search = {name: json.loads((exp / f"decode_{s}_{name}" / "decode.jsonl").read_text().splitlines()[0])
+                  ["header"]["search"] for name in ("open", "lexicon")}
+        assert search["lexicon"]["nbest"] == search["lexicon"]["beam_size"] and search["lexicon"]["lexicon"]
+        assert not search["open"]["lexicon"]
+    tuned, grid = yaml.safe_load((exp / "decode.yaml").read_text()), json.loads((exp / "tune.json").read_text())
+    assert {k: tuned[k] for k in ("lm_weight", "lm_word_bonus")} == grid["chosen"]
+    assert grid["manifest"].endswith("dev.jsonl") and len(grid["grid"]) > 10
+    results = json.loads((exp / "results.json").read_text())
+    assert results["corpus"]["seed"] == 0 and set(results["decodes"]) == {"open", "lexicon", "lexicon+lm"}
+    assert "| open vocabulary (no lexicon, no LM) |" in out and "not decoded" not in out
+    assert "en-gb-scotland" in out and "nearest training accent" in out  # the per-accent WERs, the accents' table
+    assert (exp / "accents.json").exists() and "stage 6 took" in out

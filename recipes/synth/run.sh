@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The built-in recipe: synthesize a corpus with eSpeak NG, train a small transformer on a CPU,
-# average, decode the test set (unseen sentences and unseen accents) and score it.
+# The built-in recipe: synthesize a corpus with eSpeak NG in three worlds (train, dev and test:
+# their own sentence templates, accents and unseen words), train a small transformer on a CPU,
+# average, choose the decoding's LM weights on dev, decode dev and test and score them.
 #
 #   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
 #                             [--num-train N] [--num-dev N] [--num-test N] [--lm-sentences N]
-#                             [--lm-clauses N] [--config conf/synth.yaml] [--ablations]
+#                             [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 synthesize train/dev/test    1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
-#   4 average checkpoints          5 decode the test set with the training words as the lexicon
-#                                    and the LM rescoring (the result); with --ablations also with
-#                                    the lexicon alone and with neither (--stage 5 --ablations later)
-#   6 results table and a transcription of one test file
+#   4 average checkpoints          5 decode dev and test: open vocabulary, with the training words
+#                                    as the lexicon, and with the lexicon and the LM, whose weights
+#                                    local/tune.py chooses on dev (the test set is decoded once)
+#   6 results table (dev and test, per accent), the accents' distances, a transcription
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
 # ~175 audio-seconds per second against ~130 for one process with 2 threads (the same 40 s steps;
@@ -26,7 +27,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
-lm_sentences=""; lm_clauses=""; ablations=false
+lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
     --data-dir) data=$(abspath "$2"); shift 2;;
     --exp-dir) exp=$(abspath "$2"); shift 2;;
     --nproc) nproc=$2; shift 2;;
-    --ablations) ablations=true; shift;;
+    --seed) seed=$2; shift 2;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
@@ -79,7 +80,7 @@ text_args=(); [ -n "$text" ] && text_args=(--text "$text")
 [ -n "$lm_clauses" ] && text_args+=(--lm-clauses "$lm_clauses")
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
   python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
-  "${text_args[@]}"
+  --seed "$seed" "${text_args[@]}"
 # the tokenizer the config asks for (kind and size, after the overrides), named after them, and
 # its mel bins (for the CMVN statistics)
 read -r kind vocab n_mels < <(python -c '
@@ -122,43 +123,39 @@ run_stage 3 "train $(basename "$config")" train
 # the last 5 checkpoints (every 200 steps): with the earlier 3-epoch schedule, dev WER 18.1% against
 # 25.3% for the best 3 epochs (which include the first, far behind at a short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
-# The test sentences use the training vocabulary (new sentences, not new words), so the recipe's
-# result decodes with the training words as a closed lexicon (asr.lexicon: every hypothesis is a
-# sequence of those words) and rescores the beam with stage 1's word LM
-# (conf/decode/synth.yaml: lm_weight, lm_word_bonus). With --ablations, decode_test_nolm is the
-# lexicon alone and decode_test_open the search with neither (each ~30 s of a 2-core machine).
+# Every choice on dev, the test set decoded once with them (conf/decode/synth.yaml's search):
+#   decode_{dev,test}_open     no lexicon and no LM: any text may be written (the headline figure), at
+#                              beam 10: without a lexicon or an LM to use a wider beam, 10 did as well
+#                              as 40 on dev, at a third of the time (recipes/README.md)
+#   decode_{dev,test}_lexicon  the training words as a closed lexicon (asr.lexicon), the whole beam
+#                              kept (decoding.nbest = beam_size): a word never trained is an error
+#   local/tune.py choose       the LM weight and word bonus that rescore dev's beam best, into
+#                              $exp/decode.yaml (and the grid into $exp/tune.json)
+#   decode_{dev,test}          the lexicon's beam rescored by stage 1's word LM with those values
+#                              (tune.py --then: what `asr decode` with decoding.lm gives)
 decode() {
-  local name extra names=(decode_test)
-  $ablations && names+=(decode_test_nolm decode_test_open)
-  # an experiment whose stage 1 ran before stage 1 built the LM
-  [ -f "$data/lm.arpa" ] || word_lm
-  for name in "${names[@]}"; do
-    case $name in
-      decode_test) extra=(decoding.lexicon="$data/words.txt" decoding.lm="$data/lm.arpa");;
-      decode_test_nolm) extra=(decoding.lexicon="$data/words.txt");;
-      *) extra=();;
-    esac
-    asr decode --model "$exp/model_avg.pt" --manifest "$data/test.jsonl" --out-dir "$exp/$name" \
-      --config "$root/conf/decode/synth.yaml" "${extra[@]}"
+  local conf=$root/conf/decode/synth.yaml set beam
+  [ -f "$data/lm.arpa" ] || word_lm  # an experiment whose stage 1 ran before stage 1 built the LM
+  beam=$(python -c 'import sys; from asr.decode import load_decoding_config as c; print(c(sys.argv[1]).beam_size)' "$conf")
+  for set in dev test; do
+    asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open" \
+      --config "$conf" --beam-size 10
+    asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_lexicon" \
+      --config "$conf" decoding.lexicon="$data/words.txt" decoding.nbest="$beam"
   done
+  python local/tune.py choose --beam "$exp/decode_dev_lexicon" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
+    --config "$conf" --out "$exp/decode.yaml" \
+    --then "$exp/decode_dev_lexicon" "$data/dev.jsonl" "$exp/decode_dev" \
+    --then "$exp/decode_test_lexicon" "$data/test.jsonl" "$exp/decode_test"
 }
-run_stage 5 "decode the test set (beam search, conf/decode/synth.yaml, the lexicon and the LM$($ablations && echo '; the lexicon alone; neither' || true))" decode
+run_stage 5 "decode dev and test (conf/decode/synth.yaml): open vocabulary, the lexicon, the lexicon and the LM (weights chosen on dev)" decode
 results() {
-  python - "$exp"/decode_test{,_nolm,_open}/wer.json <<'PY'
-import json, os, sys
-whats = ["training words as the lexicon, word LM", "training words as the lexicon", "open vocabulary"]
-for path, what in zip(sys.argv[1:], whats):
-    if not os.path.exists(path):  # an ablation (--ablations), or stage 5 not run
-        print(f"| test set, {what} | not decoded: no {path} (--stage 5{' --ablations' if what != whats[0] else ''}) |")
-        continue
-    r = json.load(open(path))
-    print(f"| test set (unseen sentences and accents), {what} | utterances {r['utterances']} "
-          f"| words {r['words']} | WER {100 * r['wer']:.2f}% | CER {100 * r['cer']:.2f}% |")
-PY
+  python local/results.py --exp "$exp" --data "$data"
+  python local/accents.py --manifests "$data/dev.jsonl,$data/test.jsonl" --json "$exp/accents.json"
   first=$(head -1 "$data/test.jsonl" | python -c "import json,sys; u=json.loads(sys.stdin.read()); print(u['audio'], '|', u['text'])")
   echo "transcribing ${first%% |*} (reference: ${first#*| })"
-  # the search of stage 5's result: the same decoding config, lexicon and LM
-  asr transcribe --model "$exp/model_avg.pt" --config "$root/conf/decode/synth.yaml" --lexicon "$data/words.txt" \
+  # the search of stage 5's result: the decoding config chosen on dev, the lexicon and the LM
+  asr transcribe --model "$exp/model_avg.pt" --config "$exp/decode.yaml" --lexicon "$data/words.txt" \
     --lm "$data/lm.arpa" "$data/${first%% |*}"
 }
 run_stage 6 "results" results

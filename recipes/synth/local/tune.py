@@ -1,0 +1,243 @@
+"""The synth recipe's decoding choices, made on dev only: the word LM's weight and word bonus
+(every run, stage 5), and the search's CTC weight and length bonus (`search`, by hand: too slow for
+every run).
+
+    python local/tune.py choose --beam EXP/decode_dev_lexicon --manifest DATA/dev.jsonl --lm DATA/lm.arpa \\
+        --config conf/decode/synth.yaml --out EXP/decode.yaml [--weights 0,0.1,...] [--bonuses 0,0.5,...] \\
+        [--then BEAM MANIFEST OUT_DIR ...]
+    python local/tune.py rescore --beam EXP/decode_test_lexicon --manifest DATA/test.jsonl --lm DATA/lm.arpa \\
+        --config EXP/decode.yaml --out-dir EXP/decode_test
+    python local/tune.py search --model EXP/model_avg.pt --manifest DATA/dev.jsonl --lexicon DATA/words.txt \\
+        --config conf/decode/synth.yaml --out-dir EXP/tune_search [--ctc-weights 0.1,0.2] [--length-bonuses 0.5,1]
+
+Both read the journal (decode.jsonl) of an `asr decode` run with the lexicon and
+decoding.nbest = beam_size: the whole beam of each utterance, with the search's scores. That is
+the list `asr decode` with decoding.lm rescores (asr.decoding.DecodingTask keeps the whole beam
+when an LM rescores it), so rescoring it here gives the same hypotheses as decoding again with the
+LM, without searching again.
+
+`choose` rescores dev's beam with every lm_weight x lm_word_bonus of the grid, picks the lowest
+dev WER (ties: the smaller weight, then the smaller bonus), and writes the decoding config with
+those two values to --out (the other values are --config's), and the whole grid to tune.json
+beside it; each --then rescores another beam with the chosen values, as `rescore` does, in the
+same process (the LM is read once). `rescore` applies a config's lm_weight and lm_word_bonus to a
+beam and writes hyp.txt, ref.txt, wer.json and errors.txt as `asr decode` does: the test set is
+rescored once, with the values chosen on dev. `search` decodes dev with the lexicon at every
+ctc_weight x length_bonus of its grid (the rest from --config) and prints the WERs, lowest first
+(search.json in --out-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asr.config import ConfigError, to_dict
+from asr.decode import JOURNAL, DecodingConfig, decode_manifest, load_decoding_config
+from asr.fileio import atomic_open
+from asr.lm import LMError, NgramLM, rescore
+from asr.manifest import ManifestError, read_manifest
+from asr.metrics import format_errors, normalize_text, score
+
+WEIGHTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+BONUSES = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
+
+Beam = dict[str, list[tuple[list[str], float]]]  # utterance id -> [(words, search score)], best first
+
+
+class TuneError(RuntimeError):
+    """A one-line reason naming the file at fault."""
+
+
+def read_beam(folder: Path, ids: Sequence[str]) -> Beam:
+    """The n-best lists of an `asr decode` journal (folder/decode.jsonl) for `ids`; an utterance
+    decoded to nothing (skipped, or too short) is one empty hypothesis."""
+    path = folder / JOURNAL
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise TuneError(f"{path}: cannot read the decoding journal: {e}") from None
+    header = json.loads(lines[0]).get("header", {}) if lines else {}
+    search = header.get("search", {})
+    if search.get("lm") or search.get("nbest", 1) < search.get("beam_size", 1):
+        raise TuneError(f"{path}: decoded with an LM or without the whole beam "
+                        "(decoding.nbest = beam_size, no decoding.lm)")
+    beam: Beam = {}
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise TuneError(f"{path}:{number}: not JSON") from None
+        nbest = record.get("nbest") or [{"text": record.get("text", ""), "score": record.get("score")}]
+        beam[record["id"]] = [(normalize_text(h["text"]).split(), float("-inf") if h["score"] is None else h["score"])
+                              for h in nbest]
+    missing = [i for i in ids if i not in beam]
+    if missing:
+        raise TuneError(f"{path}: {len(missing)} utterances of the manifest not decoded (first: {missing[0]})")
+    return {i: beam[i] for i in ids}
+
+
+class CachedLM:
+    """An LM whose sentence scores are kept: a grid rescores the same hypotheses many times."""
+
+    def __init__(self, lm: NgramLM) -> None:
+        self.lm, self._scores = lm, {}
+
+    def score(self, words: Sequence[str]) -> float:
+        key = tuple(words)
+        if key not in self._scores:
+            self._scores[key] = self.lm.score(words)
+        return self._scores[key]
+
+
+def best_texts(beam: Beam, lm: NgramLM | CachedLM, weight: float, bonus: float) -> dict[str, str]:
+    """Each utterance's best hypothesis after adding weight * ln P_LM + bonus per word (asr.lm.rescore)."""
+    out = {}
+    for utt_id, nbest in beam.items():
+        (i, _), = rescore(nbest, lm, weight, 1, bonus)
+        out[utt_id] = " ".join(nbest[i][0])
+    return out
+
+
+def choose(beam: Beam, refs: dict[str, str], lm: NgramLM, weights: Sequence[float],
+           bonuses: Sequence[float]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The (weight, bonus) of the lowest WER on `refs` (ties: smaller weight, then smaller bonus),
+    and every point of the grid: [{"lm_weight", "lm_word_bonus", "wer", "cer"}]."""
+    grid, lm = [], CachedLM(lm)
+    for weight in sorted(weights):
+        for bonus in sorted(bonuses):
+            stats = score(refs, best_texts(beam, lm, weight, bonus), normalize=False).stats
+            grid.append({"lm_weight": weight, "lm_word_bonus": bonus, "wer": stats.wer, "cer": stats.cer})
+    best = min(grid, key=lambda g: (g["wer"], g["lm_weight"], g["lm_word_bonus"]))
+    return {"lm_weight": best["lm_weight"], "lm_word_bonus": best["lm_word_bonus"]}, grid
+
+
+def write_results(out: Path, refs: dict[str, str], hyps: dict[str, str], decoding: dict[str, Any]) -> dict[str, Any]:
+    """hyp.txt, ref.txt, wer.json and errors.txt, as `asr decode` writes them; the wer.json dict."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = score(refs, hyps, normalize=False)
+    for name, texts in (("hyp.txt", hyps), ("ref.txt", refs)):
+        with atomic_open(out / name) as f:
+            f.writelines(f"{utt_id} {texts[utt_id]}".rstrip() + "\n" for utt_id in sorted(texts))
+    wer = {**report.stats.to_dict(), "decoding": decoding}
+    with atomic_open(out / "wer.json") as f:
+        f.write(json.dumps(wer, indent=2) + "\n")
+    with atomic_open(out / "errors.txt") as f:
+        f.write(format_errors(report))
+    return wer
+
+
+def search_grid(model: Path, manifest: Path, lexicon: Path, config_path: Path, out: Path, ctc_weights: Sequence[float],
+                length_bonuses: Sequence[float]) -> list[dict[str, float]]:
+    """Dev decoded with the lexicon at every (ctc_weight, length_bonus): [{"ctc_weight",
+    "length_bonus", "wer", "cer"}], lowest WER first; each decode in out/ctc<w>_bonus<b>/."""
+    grid = []
+    for weight in ctc_weights:
+        for bonus in length_bonuses:
+            config = load_decoding_config(str(config_path), [
+                f"decoding.lexicon={lexicon}", f"decoding.ctc_weight={weight}", f"decoding.length_bonus={bonus}"])
+            wer = decode_manifest(model, manifest, out / f"ctc{weight}_bonus{bonus}", config)
+            grid.append({"ctc_weight": weight, "length_bonus": bonus, "wer": wer["wer"], "cer": wer["cer"]})
+    grid.sort(key=lambda g: (g["wer"], g["cer"]))
+    with atomic_open(out / "search.json") as f:
+        f.write(json.dumps({"manifest": str(manifest), "config": str(config_path), "grid": grid}, indent=1) + "\n")
+    return grid
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("choose", "rescore"):
+        p = sub.add_parser(name)
+        p.add_argument("--beam", type=Path, required=True,
+                       help="an `asr decode` folder decoded with decoding.nbest = beam_size")
+        p.add_argument("--manifest", type=Path, required=True, help="the manifest it decoded (the references)")
+        p.add_argument("--lm", type=Path, required=True, help="the ARPA word LM")
+        p.add_argument("--config", type=Path, required=True, help="a decoding config (conf/decode/*.yaml)")
+        if name == "choose":
+            p.add_argument("--out", type=Path, required=True, help="the decoding config to write (the chosen values)")
+            p.add_argument("--weights", type=_floats, default=list(WEIGHTS))
+            p.add_argument("--bonuses", type=_floats, default=list(BONUSES))
+            p.add_argument("--then", nargs=3, action="append", default=[], metavar=("BEAM", "MANIFEST", "OUT_DIR"),
+                           help="then rescore this beam with the chosen values into OUT_DIR (repeatable)")
+        else:
+            p.add_argument("--out-dir", type=Path, required=True)
+    p = sub.add_parser("search")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--manifest", type=Path, required=True, help="dev")
+    p.add_argument("--lexicon", type=Path, required=True)
+    p.add_argument("--config", type=Path, required=True)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--ctc-weights", type=_floats, default=[0.1, 0.2, 0.3])
+    p.add_argument("--length-bonuses", type=_floats, default=[0.5, 1.0, 1.5])
+    args = parser.parse_args(argv)
+    if args.command == "search":
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        grid = search_grid(args.model, args.manifest, args.lexicon, args.config, args.out_dir, args.ctc_weights,
+                           args.length_bonuses)
+        for g in grid:
+            print(f"ctc_weight {g['ctc_weight']}, length_bonus {g['length_bonus']}: "
+                  f"WER {100 * g['wer']:.2f}% CER {100 * g['cer']:.2f}%")
+        return 0
+    try:
+        utts = read_manifest(args.manifest)
+        refs = {u.id: normalize_text(u.text) for u in utts}
+        config = load_decoding_config(str(args.config))
+        beam = read_beam(args.beam, list(refs))
+        lm = NgramLM.load(args.lm)
+    except (TuneError, ConfigError, ManifestError, LMError, OSError) as e:
+        print(f"tune: error: {e}", file=sys.stderr)
+        return 1
+    if args.command == "rescore":
+        apply(beam, refs, lm, config, args.lm, args.out_dir)
+        return 0
+    chosen, grid = choose(beam, refs, lm, args.weights, args.bonuses)
+    best = next(g for g in grid if {k: g[k] for k in chosen} == chosen)
+    without = next((g for g in grid if g["lm_weight"] == 0.0 and g["lm_word_bonus"] == 0.0), None)
+    values = {**to_dict(config), **chosen}
+    for key in ("lexicon", "lm"):  # the recipe passes these on the command line
+        values.pop(key, None)
+    comment = (f"# {args.config.name} with lm_weight and lm_word_bonus chosen on dev by recipes/synth/local/tune.py\n"
+               f"# ({len(refs)} utterances of {args.manifest}, the beam of {args.beam}):\n"
+               f"# dev WER {100 * best['wer']:.2f}%\n")
+    with atomic_open(args.out) as f:
+        f.write(comment + yaml.safe_dump(values, sort_keys=False))
+    with atomic_open(args.out.with_name("tune.json")) as f:
+        f.write(json.dumps({"manifest": str(args.manifest), "beam": str(args.beam), "chosen": chosen,
+                            "dev_wer": best["wer"], "grid": grid}, indent=1) + "\n")
+    print(f"tune: chose lm_weight {chosen['lm_weight']}, lm_word_bonus {chosen['lm_word_bonus']} on dev: "
+          f"WER {100 * best['wer']:.2f}%" + (f" (without the LM {100 * without['wer']:.2f}%)" if without else "")
+          + f" -> {args.out}")
+    tuned = dataclasses.replace(config, **chosen)
+    for beam_dir, manifest, out_dir in args.then:
+        try:
+            utts = read_manifest(manifest)
+            refs = {u.id: normalize_text(u.text) for u in utts}
+            apply(read_beam(Path(beam_dir), list(refs)), refs, lm, tuned, args.lm, Path(out_dir))
+        except (TuneError, ManifestError, OSError) as e:
+            print(f"tune: error: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def apply(beam: Beam, refs: dict[str, str], lm: NgramLM, config: DecodingConfig, lm_path: Path, out: Path) -> None:
+    """The beam rescored with config's lm_weight and lm_word_bonus, written to `out` as `asr decode` writes."""
+    decoding = {**to_dict(config.decoding_options()), "lexicon": "(the beam's)", "lm": str(lm_path)}
+    wer = write_results(out, refs, best_texts(beam, lm, config.lm_weight, config.lm_word_bonus), decoding)
+    print(f"tune: {out}: lm_weight {config.lm_weight}, lm_word_bonus {config.lm_word_bonus}: "
+          f"WER {100 * wer['wer']:.2f}% CER {100 * wer['cer']:.2f}% ({wer['utterances']} utterances)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""recipes/synth/local/tune.py and results.py: the LM weights chosen on dev by rescoring its beam,
+the same hypotheses as `asr decode` with the LM, and the results table of stage 6."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_api import write_decode_files
+
+from asr.decode import DecodingConfig, decode_manifest
+from asr.lm import train_ngram
+
+LOCAL = Path(__file__).resolve().parents[1] / "recipes" / "synth" / "local"
+sys.path.insert(0, str(LOCAL))
+
+import results  # noqa: E402
+import tune  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+WORDS = ["AB", "HE", "BAD", "CAFE", "FACE", "BEAD", "HEAD", "DEAF", "ACE", "BE"]
+SEARCH = {"beam_size": 6, "ctc_weight": 0.3, "batch_size": 2, "num_workers": 0, "device": "cpu"}
+
+
+def hyps(folder: Path) -> dict[str, str]:
+    return dict((line.split(" ", 1) + [""])[:2] for line in (folder / "hyp.txt").read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory) -> dict[str, Path]:
+    """A random tiny model, 4 utterances, a word list and an LM that likes BE; the
+    lexicon's decode with the whole beam kept, and `asr decode`'s with the LM (weight 10, bonus 1)."""
+    folder = tmp_path_factory.mktemp("tune")
+    model = write_decode_files(folder)
+    (folder / "words.txt").write_text("\n".join(WORDS) + "\n")
+    train_ngram([["FACE", "BE", "BE"], ["BE", "BE", "BE"], ["BE"]] * 5 + [[w] for w in WORDS]).save(folder / "lm.arpa")
+    lexicon = DecodingConfig(**SEARCH, lexicon=str(folder / "words.txt"), nbest=SEARCH["beam_size"])
+    decode_manifest(model, folder / "test.jsonl", folder / "lexicon", lexicon)
+    with_lm = DecodingConfig(**SEARCH, lexicon=str(folder / "words.txt"), lm=str(folder / "lm.arpa"), lm_weight=10.0,
+                             lm_word_bonus=1.0)
+    decode_manifest(model, folder / "test.jsonl", folder / "lm", with_lm)
+    config = folder / "decode.yaml"
+    config.write_text(yaml.safe_dump({**SEARCH, "lm_weight": 10.0, "lm_word_bonus": 1.0}))
+    return {"folder": folder, "manifest": folder / "test.jsonl", "config": config}
+
+
+def test_rescoring_the_kept_beam_gives_what_decoding_with_the_lm_gives(decoded):
+    folder = decoded["folder"]
+    assert tune.main(["rescore", "--beam", str(folder / "lexicon"), "--manifest", str(decoded["manifest"]),
+                      "--lm", str(folder / "lm.arpa"), "--config", str(decoded["config"]),
+                      "--out-dir", str(folder / "rescored")]) == 0
+    rescored, with_lm, lexicon = hyps(folder / "rescored"), hyps(folder / "lm"), hyps(folder / "lexicon")
+    assert rescored == with_lm and all(rescored.values())  # non-empty, lexicon words
+    assert all(set(h.split()) <= set(WORDS) for h in rescored.values())
+    assert rescored != lexicon  # the LM changed something: the comparison is not vacuous
+    wer = json.loads((folder / "rescored" / "wer.json").read_text())
+    assert wer == {**json.loads((folder / "lm" / "wer.json").read_text()), "skipped": 0, "decoding": wer["decoding"]}
+    assert (folder / "rescored" / "ref.txt").read_text() == (folder / "lm" / "ref.txt").read_text()
+
+
+def test_choose_takes_the_grid_point_of_the_lowest_dev_wer(decoded, tmp_path, capsys):
+    folder = decoded["folder"]
+    # references made to be what the LM at weight 10, bonus 1 writes: that point scores 0%
+    lines = [json.loads(line) for line in decoded["manifest"].read_text().splitlines()]
+    target = hyps(folder / "lm")
+    for line in lines:
+        line["text"] = target[line["id"]]
+        line["audio"] = str(folder / line["audio"])
+    manifest = tmp_path / "dev.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "decode.yaml"
+    assert tune.main(["choose", "--beam", str(folder / "lexicon"), "--manifest", str(manifest), "--lm",
+                      str(folder / "lm.arpa"), "--config", str(decoded["config"]), "--out", str(out),
+                      "--weights", "0,10", "--bonuses", "1"]) == 0
+    chosen = yaml.safe_load(out.read_text())
+    assert (chosen["lm_weight"], chosen["lm_word_bonus"]) == (10.0, 1.0)
+    assert chosen["beam_size"] == 6 and "lm" not in chosen and "lexicon" not in chosen  # the rest from --config
+    grid = json.loads((tmp_path / "tune.json").read_text())["grid"]
+    assert [(g["lm_weight"], g["wer"] == 0.0) for g in grid] == [(0.0, False), (10.0, True)]
+    assert "chose lm_weight 10.0, lm_word_bonus 1.0 on dev: WER 0.00%" in capsys.readouterr().out
+    # --then: the chosen values applied to other beams in the same run, as `rescore` would
+    assert tune.main(["choose", "--beam", str(folder / "lexicon"), "--manifest", str(manifest), "--lm",
+                      str(folder / "lm.arpa"), "--config", str(decoded["config"]), "--out", str(out),
+                      "--weights", "0,10", "--bonuses", "1", "--then", str(folder / "lexicon"),
+                      str(decoded["manifest"]), str(tmp_path / "then")]) == 0
+    assert hyps(tmp_path / "then") == hyps(folder / "lm")
+
+
+def test_a_beam_decoded_without_the_whole_beam_or_with_an_lm_is_refused(decoded, capsys):
+    folder = decoded["folder"]
+    assert tune.main(["choose", "--beam", str(folder / "lm"), "--manifest", str(decoded["manifest"]), "--lm",
+                      str(folder / "lm.arpa"), "--config", str(decoded["config"]),
+                      "--out", str(folder / "x.yaml")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "decode.jsonl: decoded with an LM or without the whole beam" in err
+
+
+def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
+    data, exp = tmp_path / "data", tmp_path / "exp"
+    data.mkdir()
+    for s, accents in (("dev", ("en-029", "en-gb-x-gbcwmd")), ("test", ("en-gb-scotland", "en-us-nyc"))):
+        lines = [{"id": f"{s}-{i}", "audio": "x.flac", "duration": 1.0, "text": "A B",
+                  "speaker": f"{accents[i % 2]}+m1"} for i in range(4)]
+        (data / f"{s}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        for suffix, wrong in (("_open", 2), ("_lexicon", 1)):  # no LM decode: named, not guessed
+            folder = exp / f"decode_{s}{suffix}"
+            folder.mkdir(parents=True)
+            (folder / "ref.txt").write_text("".join(f"{s}-{i} A B\n" for i in range(4)))
+            (folder / "hyp.txt").write_text("".join(f"{s}-{i} A {'C' if i < wrong else 'B'}\n" for i in range(4)))
+    got = results.collect(exp, data)
+    assert got["decodes"]["open"]["test"]["all"]["wer"] == 2 / 8
+    assert got["decodes"]["open"]["test"]["en-gb-scotland"]["wer"] == 1 / 4  # test-0 (scotland), test-1 (nyc)
+    assert got["decodes"]["lexicon"]["dev"]["en-029"]["wer"] == 1 / 4
+    assert got["decodes"]["lexicon+lm"]["dev"] is None
+    table = results.markdown(got)
+    assert "| open vocabulary (no lexicon, no LM) | 25.00% /" in table and "not decoded" in table
