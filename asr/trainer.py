@@ -439,7 +439,7 @@ def train_step(run: _Run, state: _State, task: Task, group: list, logger: TrainL
     for g in run.optimizer.param_groups:
         g["lr"] = learning_rate(tc, state.step, total_steps)
     consumed = len(group)
-    norm, sums, group = _accumulate(run, state, task, group)
+    norm, sums, group, bad_loss = _accumulate(run, state, task, group)
     if group:  # without a backward there is nothing to unscale (fp16's scaler would refuse)
         run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
@@ -449,7 +449,12 @@ def train_step(run: _Run, state: _State, task: Task, group: list, logger: TrainL
     if not group:
         _skip_step(run, state, "every utterance of the batch ran out of memory alone")
     elif not math.isfinite(float(grad_norm)):  # a non-finite loss makes the gradients non-finite too
-        _skip_step(run, state, f"non-finite loss or gradient norm ({float(grad_norm)})")
+        if _scaler_overflow(run, bad_loss):
+            state.skipped_steps += 1  # the scaler lowered its scale; a step like this is not a bad one
+            log.info("step %d: fp16 gradients overflowed; the loss scale drops to %g and the step is skipped",
+                     state.step + 1, run.scaler.get_scale() / 2)
+        else:
+            _skip_step(run, state, f"non-finite loss or gradient norm ({float(grad_norm)})")
     else:
         run.scaler.step(run.optimizer)
         state.step += 1
@@ -462,17 +467,19 @@ def train_step(run: _Run, state: _State, task: Task, group: list, logger: TrainL
                       run.optimizer.param_groups[0]["lr"], speed, bar, tc.log_every, consumed)
 
 
-def _accumulate(run: _Run, state: _State, task: Task, group: list) -> tuple[torch.Tensor, torch.Tensor, list]:
+def _accumulate(run: _Run, state: _State, task: Task,
+                group: list) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor]:
     """Forward and backward of the micro-batches of one step: (the global counts, the summed
-    `step_sums`, the micro-batches used). In one process, a micro-batch that runs out of memory
+    `step_sums`, the micro-batches used, how many of their losses were not finite: a tensor, read
+    only when the gradients are not finite). In one process, a micro-batch that runs out of memory
     is split in halves and the step started again (one that holds a single example is left out);
     under DDP the ranks cannot retry alone, so running out of memory ends the job."""
     while True:
         counts = run.ctx.all_reduce(torch.tensor(task.counts(group), dtype=torch.float64, device=run.ctx.device))
         norm = counts.clamp(min=1.0)
-        sums, failed = _forward_backward_all(run, state, task, group, norm)
+        sums, bad_loss, failed = _forward_backward_all(run, state, task, group, norm)
         if failed is None:
-            return norm, sums, group
+            return norm, sums, group, bad_loss
         run.optimizer.zero_grad(set_to_none=True)  # the failed backward may have added some
         if run.ctx.device.type == "cuda":
             torch.cuda.empty_cache()  # the failed step's blocks, for the halves to fit
@@ -480,26 +487,31 @@ def _accumulate(run: _Run, state: _State, task: Task, group: list) -> tuple[torc
 
 
 def _forward_backward_all(run: _Run, state: _State, task: Task, group: list,
-                          norm: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """(the summed `step_sums` of the group, the index of the micro-batch that ran out of memory
-    or None)."""
+                          norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """(the summed `step_sums` of the group, the count of non-finite losses, the index of the
+    micro-batch that ran out of memory or None)."""
     sums = torch.zeros(len(task.step_sums), device=run.ctx.device, dtype=torch.float64)
+    bad_loss = torch.zeros((), device=run.ctx.device)
     for i, batch in enumerate(group):
         try:
-            sums += _forward_backward(run, task, batch, norm, sync=i == len(group) - 1)
+            batch_sums, finite = _forward_backward(run, task, batch, norm, sync=i == len(group) - 1)
+            sums += batch_sums
+            bad_loss += ~finite
         except torch.OutOfMemoryError:
             if run.ctx.distributed:
                 raise TrainingError(
                     f"rank {run.ctx.rank}: out of memory at step {state.step + 1} on {task.describe(batch)}; under "
                     f"DDP the ranks cannot retry alone, so the job stops: {resume_hint(run.exp)} (or start a new "
                     f"--exp-dir with a smaller data.max_batch_seconds)") from None
-            return sums, i  # leaving the handler frees the failed step's tensors
-    return sums, None
+            return sums, bad_loss, i  # leaving the handler frees the failed step's tensors
+    return sums, bad_loss, None
 
 
-def _forward_backward(run: _Run, task: Task, batch, norm: torch.Tensor, *, sync: bool) -> torch.Tensor:
+def _forward_backward(run: _Run, task: Task, batch, norm: torch.Tensor, *,
+                      sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The task's loss of one micro-batch, backward (DDP's gradient all-reduce on the last of a
-    step, `sync`); returns its detached `step_sums`."""
+    step, `sync`); returns its detached `step_sums` and whether the loss is finite (a tensor: no
+    host synchronization)."""
     ctx = run.ctx
     empty = len(batch.ids) == 0
     if empty:  # this rank's batch emptied: a zero-loss step so DDP's all-reduce still happens
@@ -509,7 +521,17 @@ def _forward_backward(run: _Run, task: Task, batch, norm: torch.Tensor, *, sync:
             loss, sums = task.loss(run.wrapped, batch, norm)
         loss = loss * (0.0 if empty else ctx.world_size)  # DDP averages gradients over ranks
         run.scaler.scale(loss).backward()
-    return torch.zeros_like(sums) if empty else sums
+    return (torch.zeros_like(sums) if empty else sums), torch.isfinite(loss.detach())
+
+
+def _scaler_overflow(run: _Run, bad_loss: torch.Tensor) -> bool:
+    """Whether non-finite gradients are fp16's scaled gradients overflowing (the loss finite on
+    every rank, the gradient scaler on and its scale above 1: it halves it in `update`) rather
+    than a bad step.
+    All ranks decide alike: they reach this together, and the loss check is all-reduced."""
+    if not run.scaler.is_enabled() or run.scaler.get_scale() <= 1.0:  # at scale 1 it is the gradients
+        return False
+    return float(run.ctx.all_reduce(bad_loss.detach().clone().float())) == 0.0
 
 
 def _skip_step(run: _Run, state: _State, reason: str) -> None:

@@ -308,6 +308,21 @@ def test_fp16_steps_where_every_utterance_runs_out_of_memory_are_skipped(corpus,
         "asr train: error: 20 steps in a row skipped, the last for every utterance of the batch ran out of memory")
 
 
+@pytest.mark.slow
+def test_fp16_overflows_of_the_gradient_scaler_are_not_bad_steps(corpus, tmp_path):
+    """fp16's gradient scaler starts at a loss scale of 65,536 and the first steps' scaled gradients
+    overflow: those steps lower the scale and are skipped, but are not bad steps, so
+    max_bad_steps=2 does not stop the run; a non-finite loss under fp16 still is one."""
+    out = train(corpus, tmp_path / "exp", "training.precision=fp16", "training.max_bad_steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [r for r in outcome(tmp_path / "exp")["records"] if r["kind"] == "train"]
+    assert steps[-1]["step"] == 14 and steps[-1]["skipped_steps"] >= 2  # the overflows happened
+    assert "fp16 gradients overflowed" in out.stderr and "step skipped (" not in out.stderr
+    out = train(corpus, tmp_path / "nan", "training.precision=fp16", "training.max_bad_steps=2",
+                faults=["--nonfinite", "0:1,0:2"])
+    assert out.returncode == 1 and "2 steps in a row skipped" in out.stderr.strip().splitlines()[-1]
+
+
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     """The pid of torchrun's worker of this rank, if it runs yet (from /proc: its RANK variable)."""
     for child in Path(f"/proc/{launcher.pid}/task").glob("*/children"):
