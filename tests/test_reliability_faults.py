@@ -323,6 +323,36 @@ def test_fp16_overflows_of_the_gradient_scaler_are_not_bad_steps(corpus, tmp_pat
     assert out.returncode == 1 and "2 steps in a row skipped" in out.stderr.strip().splitlines()[-1]
 
 
+# run before `asr train` in its process: the dtypes of every Linear output, printed at exit
+LINEAR_DTYPES = """
+import atexit, sys, torch
+seen = set()
+def _record(module, args, output):
+    if isinstance(module, torch.nn.Linear) and isinstance(output, torch.Tensor):
+        seen.add(str(output.dtype))
+torch.nn.modules.module.register_module_forward_hook(_record)
+atexit.register(lambda: print("linear outputs:", ",".join(sorted(seen)), file=sys.stderr))
+"""
+
+
+@pytest.mark.slow
+def test_a_bf16_training_step_matches_fp32(corpus, tmp_path):
+    """The first optimizer step under bf16 autocast on the CPU gives fp32's loss within 1% and its
+    gradient norm within 10% (bf16 rounds at 2^-8 relative; the model-level tolerances are in
+    test_model), and its Linear layers really wrote bf16 (a no-op autocast fails here)."""
+    first, dtypes = {}, {}
+    for precision in ("fp32", "bf16"):
+        exp = tmp_path / precision
+        out = train(corpus, exp, f"training.precision={precision}", "training.max_steps=1", wrapper=LINEAR_DTYPES)
+        assert out.returncode == 0, out.stderr[-3000:]
+        first[precision] = next(r for r in outcome(exp)["records"] if r["kind"] == "train")
+        dtypes[precision] = next(line for line in out.stderr.splitlines() if line.startswith("linear outputs:"))
+    assert "torch.bfloat16" in dtypes["bf16"] and "torch.bfloat16" not in dtypes["fp32"]
+    assert first["bf16"]["step"] == first["fp32"]["step"] == 1
+    assert first["bf16"]["loss"] == pytest.approx(first["fp32"]["loss"], rel=1e-2)
+    assert first["bf16"]["grad_norm"] == pytest.approx(first["fp32"]["grad_norm"], rel=0.1)
+
+
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     """The pid of torchrun's worker of this rank, if it runs yet (from /proc: its RANK variable)."""
     for child in Path(f"/proc/{launcher.pid}/task").glob("*/children"):
