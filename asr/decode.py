@@ -39,7 +39,7 @@ from asr.manifest import Utterance, read_manifest
 from asr.metrics import ErrorStats, format_errors, format_summary, normalize_text, score
 from asr.sampler import greedy_batches, longest_first
 
-__all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config"]
+__all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config", "write_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathL
         print(f"decode: resuming, {len(utts) - len(todo)} of {len(utts)} utterances already decoded", file=sys.stderr)
     with journal:
         _decode(recognizer, recognizer.task(), todo, config, journal)
-    return _write_outputs(out, utts, journal.records, config)
+    return write_outputs(out, utts, journal.records, config)
 
 
 def format_wer(wer: dict[str, Any]) -> str:
@@ -281,9 +281,10 @@ def _json_or_none(line: str) -> Any:
         return None
 
 
-def _write_outputs(out: Path, utts: list[Utterance], records: dict[str, dict[str, Any]],
-                   config: DecodingConfig) -> dict[str, Any]:
-    """hyp.txt, ref.txt, wer.json and errors.txt of the manifest's utterances; the wer.json dict."""
+def write_outputs(out: Path, utts: list[Utterance], records: dict[str, dict[str, Any]],
+                  config: DecodingConfig) -> dict[str, Any]:
+    """hyp.txt, ref.txt, wer.json and errors.txt of the manifest's utterances, from their records
+    ({"text", "skipped"?} by id) and the config that decoded them; the wer.json dict."""
     hyps = {u.id: normalize_text(records[u.id]["text"]) for u in utts}
     refs = {u.id: normalize_text(u.text) for u in utts}
     report = score(refs, hyps, normalize=False)

@@ -531,7 +531,7 @@ def _scaler_overflow(run: _Run, bad_loss: torch.Tensor) -> bool:
     All ranks decide alike: they reach this together, and the loss check is all-reduced."""
     if not run.scaler.is_enabled() or run.scaler.get_scale() <= 1.0:  # at scale 1 it is the gradients
         return False
-    return float(run.ctx.all_reduce(bad_loss.detach().clone().float())) == 0.0
+    return float(run.ctx.all_reduce(bad_loss)) == 0.0
 
 
 def _skip_step(run: _Run, state: _State, reason: str) -> None:

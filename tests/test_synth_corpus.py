@@ -13,6 +13,7 @@ import soundfile as sf
 LOCAL = Path(__file__).resolve().parents[1] / "recipes" / "synth" / "local"
 sys.path.insert(0, str(LOCAL))  # recipe helpers are scripts, not a package; spawned workers inherit the path
 
+import accents  # noqa: E402
 import make_text  # noqa: E402
 import synthesize  # noqa: E402
 
@@ -244,6 +245,20 @@ def test_every_voice_exists():
         assert len(engine.synthesize("hello there.", voice)) > 0.3 * engine.sample_rate, voice
     with pytest.raises(synthesize.SynthError, match="no voice"):
         engine.synthesize("hello.", "en-nowhere")
+
+
+def test_accent_distances_come_from_espeaks_phonemes():
+    assert accents.edit_distance(["a", "b", "c"], ["a", "c"]) == 1
+    assert accents.edit_distance(["k", "A@"], ["k", "A@", "r"]) == 1 and accents.edit_distance([], ["x"]) == 1
+    phonemizer = accents.Phonemizer()
+    assert phonemizer.phonemes("car", "en-us")[0] == "k"
+    assert phonemizer.phonemes("car", "en-gb-scotland") != phonemizer.phonemes("car", "en")  # the rhotic r
+    table = accents.distances(["car", "water", "hello", "world"], ["en-us", "en", "en-gb-scotland"], phonemizer)
+    assert all(table[a][a] == {"phonemes": 0.0, "words": 0.0} for a in table)
+    assert table["en"]["en-gb-scotland"] == table["en-gb-scotland"]["en"] and table["en"]["en-gb-scotland"]["words"] > 0
+    with pytest.raises(synthesize.SynthError, match="no voice"):
+        phonemizer.phonemes("car", "en-nowhere")
+    assert "| en-gb-scotland (test) |" in accents.markdown(table, 4)
 
 
 @pytest.fixture(scope="module")

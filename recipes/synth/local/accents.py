@@ -21,35 +21,30 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from synthesize import ACCENTS, DEV_ACCENTS, TEST_ACCENTS, SynthError, _loader, generated_texts  # this script's folder
+from synthesize import (  # this script's folder
+    _CHARS_UTF8,
+    ACCENTS,
+    DEV_ACCENTS,
+    TEST_ACCENTS,
+    SynthError,
+    generated_texts,
+    open_espeak,
+    set_voice,
+)
 
-# speak_lib.h
-_AUDIO_OUTPUT_SYNCHRONOUS = 2
-_INITIALIZE_DONT_EXIT = 0x8000
-_CHARS_UTF8 = 1
 _SEPARATOR = "_"  # between phonemes: bits 8-23 of phonememode
 _PHONEME_MODE = ord(_SEPARATOR) << 8  # eSpeak's ASCII phoneme names
 
 
 class Phonemizer:
-    """eSpeak NG's phonemes of words, one engine per process."""
+    """eSpeak NG's phonemes of words (the synthesis's library, synthesize.open_espeak)."""
 
     def __init__(self) -> None:
-        espeakng_loader = _loader()
-        lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        lib.espeak_TextToPhonemes.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.c_int]
-        lib.espeak_TextToPhonemes.restype = ctypes.c_char_p
-        data = espeakng_loader.get_data_path()
-        if lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data.encode(), _INITIALIZE_DONT_EXIT) <= 0:
-            raise SynthError(f"{data}: eSpeak NG failed to initialize")
-        self._lib = lib
+        self._lib, _ = open_espeak()
 
     def phonemes(self, text: str, voice: str) -> tuple[str, ...]:
         """The phonemes of `text` in `voice`, stress marks dropped: ("h", "@", "l", "oU")."""
-        if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
-            raise SynthError(f"eSpeak NG has no voice {voice!r}")
+        set_voice(self._lib, voice)
         buffer = ctypes.c_char_p(text.lower().encode() + b"\0")
         pointer = ctypes.pointer(buffer)
         out = []

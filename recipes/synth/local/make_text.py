@@ -24,6 +24,7 @@ from the training vocabulary, knowing nothing of the dev and test templates.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -892,15 +893,12 @@ def _literal_runs(template: str) -> set[tuple[str, ...]]:
 def _covers(trained: Sequence[str], held: Sequence[str]) -> bool:
     """Every slot kind (verb forms included) and literal word of the held-out templates is used by
     some training template: held-out sets bring new frames, not new slot kinds or frame words."""
-    kinds = set().union(*map(slot_kinds, trained))
-    words = {w for t in trained for w in _SLOT.sub(" ", t).split()}
-    return all(slot_kinds(t) <= kinds and set(_SLOT.sub(" ", t).split()) <= words for t in held)
+    kinds, words = set().union(*map(slot_kinds, trained)), literal_words(trained)
+    return all(slot_kinds(t) <= kinds and literal_words([t]) <= words for t in held)
 
 
-def dev_templates(seed: int) -> list[str]:
-    """DEV_TEMPLATE_COUNT training templates held out for dev, drawn with the seed: each shares no
-    run of three literal words with a template left for training, and what is left still covers
-    the dev and test templates' slot kinds and literal words (`_covers`). In TRAIN_TEMPLATES order."""
+@functools.cache
+def _dev_templates(seed: int) -> tuple[str, ...]:
     order = random.Random(f"synth-dev-templates:{seed}").sample(TRAIN_TEMPLATES, len(TRAIN_TEMPLATES))
     held: list[str] = []
     for t in order:
@@ -910,17 +908,25 @@ def dev_templates(seed: int) -> list[str]:
         runs = set().union(*map(_literal_runs, rest))
         if not _literal_runs(t) & runs and _covers(rest, [*held, t, *TEST_TEMPLATES]):
             held.append(t)
-    chosen = set(held)
-    return [t for t in TRAIN_TEMPLATES if t in chosen]
+    return tuple(t for t in TRAIN_TEMPLATES if t in set(held))
+
+
+def dev_templates(seed: int) -> list[str]:
+    """DEV_TEMPLATE_COUNT training templates held out for dev, drawn with the seed: each shares no
+    run of three literal words with a template left for training, and what is left still covers
+    the dev and test templates' slot kinds and literal words (`_covers`). In TRAIN_TEMPLATES order."""
+    return list(_dev_templates(seed))
 
 
 UNSEEN_LISTS = (FIRST_NAMES, SURNAMES, CITIES, COUNTRIES, THINGS, FOODS, ANIMALS, JOBS)
 
 
+@functools.cache
 def _families() -> dict[str, frozenset[str]]:
     """The open-class words that may be held out, each with the words made of it (plural,
     possessive): only single words that nothing else in the generator writes (no other list,
-    verb form, template or glue word), so holding one out removes exactly its family."""
+    verb form, template or glue word), so holding one out removes exactly its family. Cached:
+    read it, do not change it."""
     made: dict[str, int] = {}
     def count(words: Iterable[str]) -> None:
         for w in words:
@@ -930,7 +936,7 @@ def _families() -> dict[str, frozenset[str]]:
              MONTHS, SEASONS, PARTS_OF_DAY, DURATIONS, DISTANCES, PHRASES, SLOT_GLUE, _ONES, _TENS, _ORDINAL_ONES,
              _ORDINAL_TENS, [plural(w) for w in THINGS + FOODS + ANIMALS], [n + "'S" for n in FIRST_NAMES],
              [f for verbs in VERBS.values() for v in verbs for f in _regular_forms(v)],
-             [_SLOT.sub(" ", t) for t in TRAIN_TEMPLATES + TEST_TEMPLATES]]
+             literal_words(TRAIN_TEMPLATES + TEST_TEMPLATES)]
     for entries in lists:
         count({w for entry in entries for w in entry.split()})
     families = {}
@@ -1029,9 +1035,14 @@ def random_words_some(sentences: Sequence[str], fraction: float, seed: int) -> l
     return out
 
 
+def literal_words(templates: Iterable[str]) -> set[str]:
+    """The literal words of templates (the words not drawn from a slot)."""
+    return {w for t in templates for w in _SLOT.sub(" ", t).split()}
+
+
 def template_words(split: str) -> set[str]:
-    """The literal words of a split's templates (the words not drawn from a slot)."""
-    return {w for t in templates(split) for w in _SLOT.sub(" ", t).split()}
+    """The literal words of a split's templates."""
+    return literal_words(templates(split))
 
 
 def slot_words() -> set[str]:

@@ -55,10 +55,10 @@ def collect(exp: Path, data: Path) -> dict[str, Any]:
     return out
 
 
-def _cell(entry: dict[str, Any] | None, key: str = "all") -> str:
+def _cell(entry: dict[str, Any] | None) -> str:
     if entry is None:
         return "not decoded"
-    r = entry[key]
+    r = entry["all"]
     return f"{100 * r['wer']:.2f}% / {100 * r['cer']:.2f}%"
 
 

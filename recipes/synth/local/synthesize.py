@@ -332,21 +332,35 @@ def _loader() -> ModuleType:
     return espeakng_loader
 
 
+def open_espeak() -> tuple[ctypes.CDLL, int]:
+    """libespeak-ng initialized in synchronous retrieval mode (once per process): (the library with
+    the argument types of the calls this recipe makes, its sample rate), or a SynthError."""
+    espeakng_loader = _loader()
+    lib = ctypes.CDLL(espeakng_loader.get_library_path())
+    lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+    lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
+                                 ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    lib.espeak_TextToPhonemes.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.c_int]
+    lib.espeak_TextToPhonemes.restype = ctypes.c_char_p
+    data = espeakng_loader.get_data_path()
+    sample_rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data.encode(), _INITIALIZE_DONT_EXIT)
+    if sample_rate <= 0:
+        raise SynthError(f"{data}: eSpeak NG failed to initialize (error {sample_rate})")
+    return lib, sample_rate
+
+
+def set_voice(lib: ctypes.CDLL, voice: str) -> None:
+    if lib.espeak_SetVoiceByName(voice.encode()) != 0:
+        raise SynthError(f"eSpeak NG has no voice {voice!r}")
+
+
 class ESpeak:
     """One eSpeak NG engine (one per process) in synchronous retrieval mode."""
 
     def __init__(self) -> None:
-        espeakng_loader = _loader()
-        lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
-                                     ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
-        data = espeakng_loader.get_data_path()
-        self.sample_rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data.encode(), _INITIALIZE_DONT_EXIT)
-        if self.sample_rate <= 0:
-            raise SynthError(f"{data}: eSpeak NG failed to initialize (error {self.sample_rate})")
+        lib, self.sample_rate = open_espeak()
         self._lib, self._chunks = lib, []
         self._callback = _SYNTH_CALLBACK(self._collect)  # kept alive as long as the engine
         lib.espeak_SetSynthCallback(self._callback)
@@ -363,8 +377,7 @@ class ESpeak:
         wpm: speed in words per minute; pitch, pitch_range: eSpeak's 0-100 scales (50 = the voice's
         own); volume: percent.
         """
-        if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
-            raise SynthError(f"eSpeak NG has no voice {voice!r}")
+        set_voice(self._lib, voice)
         for parameter, value in ((_RATE, wpm), (_PITCH, pitch), (_RANGE, pitch_range), (_VOLUME, volume)):
             self._lib.espeak_SetParameter(parameter, value, 0)
         data = text.encode() + b"\0"

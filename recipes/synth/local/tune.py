@@ -34,16 +34,15 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from asr.config import ConfigError, to_dict
-from asr.decode import JOURNAL, DecodingConfig, decode_manifest, load_decoding_config
+from asr.decode import JOURNAL, DecodingConfig, decode_manifest, load_decoding_config, write_outputs
 from asr.fileio import atomic_open
 from asr.lm import LMError, NgramLM, rescore
 from asr.manifest import ManifestError, read_manifest
-from asr.metrics import format_errors, normalize_text, score
+from asr.metrics import normalize_text, score
 
 WEIGHTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 BONUSES = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
@@ -55,9 +54,10 @@ class TuneError(RuntimeError):
     """A one-line reason naming the file at fault."""
 
 
-def read_beam(folder: Path, ids: Sequence[str]) -> Beam:
-    """The n-best lists of an `asr decode` journal (folder/decode.jsonl) for `ids`; an utterance
-    decoded to nothing (skipped, or too short) is one empty hypothesis."""
+def read_beam(folder: Path, ids: Sequence[str]) -> tuple[Beam, str]:
+    """The n-best lists of an `asr decode` journal (folder/decode.jsonl) for `ids`, and the lexicon
+    it was decoded with; an utterance decoded to nothing (skipped, or too short) is one empty
+    hypothesis."""
     path = folder / JOURNAL
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -80,7 +80,7 @@ def read_beam(folder: Path, ids: Sequence[str]) -> Beam:
     missing = [i for i in ids if i not in beam]
     if missing:
         raise TuneError(f"{path}: {len(missing)} utterances of the manifest not decoded (first: {missing[0]})")
-    return {i: beam[i] for i in ids}
+    return {i: beam[i] for i in ids}, search.get("lexicon", "")
 
 
 class CachedLM:
@@ -116,21 +116,6 @@ def choose(beam: Beam, refs: dict[str, str], lm: NgramLM, weights: Sequence[floa
             grid.append({"lm_weight": weight, "lm_word_bonus": bonus, "wer": stats.wer, "cer": stats.cer})
     best = min(grid, key=lambda g: (g["wer"], g["lm_weight"], g["lm_word_bonus"]))
     return {"lm_weight": best["lm_weight"], "lm_word_bonus": best["lm_word_bonus"]}, grid
-
-
-def write_results(out: Path, refs: dict[str, str], hyps: dict[str, str], decoding: dict[str, Any]) -> dict[str, Any]:
-    """hyp.txt, ref.txt, wer.json and errors.txt, as `asr decode` writes them; the wer.json dict."""
-    out.mkdir(parents=True, exist_ok=True)
-    report = score(refs, hyps, normalize=False)
-    for name, texts in (("hyp.txt", hyps), ("ref.txt", refs)):
-        with atomic_open(out / name) as f:
-            f.writelines(f"{utt_id} {texts[utt_id]}".rstrip() + "\n" for utt_id in sorted(texts))
-    wer = {**report.stats.to_dict(), "decoding": decoding}
-    with atomic_open(out / "wer.json") as f:
-        f.write(json.dumps(wer, indent=2) + "\n")
-    with atomic_open(out / "errors.txt") as f:
-        f.write(format_errors(report))
-    return wer
 
 
 def search_grid(model: Path, manifest: Path, lexicon: Path, config_path: Path, out: Path, ctc_weights: Sequence[float],
@@ -191,17 +176,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"WER {100 * g['wer']:.2f}% CER {100 * g['cer']:.2f}%")
         return 0
     try:
-        utts = read_manifest(args.manifest)
-        refs = {u.id: normalize_text(u.text) for u in utts}
         config = load_decoding_config(str(args.config))
-        beam = read_beam(args.beam, list(refs))
         lm = NgramLM.load(args.lm)
+        if args.command == "rescore":
+            apply(args.beam, args.manifest, lm, config, args.lm, args.out_dir)
+            return 0
+        refs = {u.id: normalize_text(u.text) for u in read_manifest(args.manifest)}
+        beam, _ = read_beam(args.beam, list(refs))
     except (TuneError, ConfigError, ManifestError, LMError, OSError) as e:
         print(f"tune: error: {e}", file=sys.stderr)
         return 1
-    if args.command == "rescore":
-        apply(beam, refs, lm, config, args.lm, args.out_dir)
-        return 0
     chosen, grid = choose(beam, refs, lm, args.weights, args.bonuses)
     best = next(g for g in grid if {k: g[k] for k in chosen} == chosen)
     without = next((g for g in grid if g["lm_weight"] == 0.0 and g["lm_word_bonus"] == 0.0), None)
@@ -222,19 +206,22 @@ def main(argv: list[str] | None = None) -> int:
     tuned = dataclasses.replace(config, **chosen)
     for beam_dir, manifest, out_dir in args.then:
         try:
-            utts = read_manifest(manifest)
-            refs = {u.id: normalize_text(u.text) for u in utts}
-            apply(read_beam(Path(beam_dir), list(refs)), refs, lm, tuned, args.lm, Path(out_dir))
+            apply(Path(beam_dir), Path(manifest), lm, tuned, args.lm, Path(out_dir))
         except (TuneError, ManifestError, OSError) as e:
             print(f"tune: error: {e}", file=sys.stderr)
             return 1
     return 0
 
 
-def apply(beam: Beam, refs: dict[str, str], lm: NgramLM, config: DecodingConfig, lm_path: Path, out: Path) -> None:
-    """The beam rescored with config's lm_weight and lm_word_bonus, written to `out` as `asr decode` writes."""
-    decoding = {**to_dict(config.decoding_options()), "lexicon": "(the beam's)", "lm": str(lm_path)}
-    wer = write_results(out, refs, best_texts(beam, lm, config.lm_weight, config.lm_word_bonus), decoding)
+def apply(beam_dir: Path, manifest: Path, lm: NgramLM, config: DecodingConfig, lm_path: Path, out: Path) -> None:
+    """The beam of `beam_dir` rescored with config's lm_weight and lm_word_bonus, written to `out`
+    by asr.decode.write_outputs, as `asr decode` with that config, its lexicon and the LM writes."""
+    utts = read_manifest(manifest)
+    beam, lexicon = read_beam(beam_dir, [u.id for u in utts])
+    hyps = best_texts(beam, lm, config.lm_weight, config.lm_word_bonus)
+    out.mkdir(parents=True, exist_ok=True)
+    wer = write_outputs(out, utts, {i: {"text": text} for i, text in hyps.items()},
+                        dataclasses.replace(config, lexicon=lexicon, lm=str(lm_path)))
     print(f"tune: {out}: lm_weight {config.lm_weight}, lm_word_bonus {config.lm_word_bonus}: "
           f"WER {100 * wer['wer']:.2f}% CER {100 * wer['cer']:.2f}% ({wer['utterances']} utterances)")
 
