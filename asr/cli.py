@@ -145,8 +145,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
     config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
                                   ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device)
     wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads))
-    print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt")
-    print(format_wer(wer))
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 wrote them
+        print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt")
+        print(format_wer(wer))
     return 0
 
 
@@ -315,7 +316,10 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
 
 def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     """decode, transcribe, wer."""
-    p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)")
+    p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)",
+                       description="Decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt); "
+                       "resumes an interrupted run. 'torchrun --nproc_per_node N -m asr.cli decode ...' shares "
+                       "the batches among N processes (one per GPU) with the same results.")
     p.add_argument("--model", required=True, metavar="MODEL.pt")
     p.add_argument("--manifest", required=True, metavar="TEST.jsonl")
     p.add_argument("--out-dir", required=True, metavar="DIR")
@@ -324,7 +328,8 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--ctc-weight", type=float, metavar="W")
     p.add_argument("--batch-size", type=int, metavar="B")
-    p.add_argument("--device", metavar="D")
+    p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available; under torchrun "
+                   "each process on cuda:LOCAL_RANK)")
     p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
                    help="any field of asr.decode.DecodingConfig, after --config")

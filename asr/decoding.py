@@ -1,7 +1,9 @@
 """One decoding run: the options (`DecodingOptions`, the one definition that `asr decode`,
 `asr transcribe` and the Python API read), and the task that carries them out (`DecodingTask`):
 encoder, search with the scorers the options ask for (a lexicon's constraint, a word LM fused into
-the search), then LM rescoring of the beam when the LM is not fused.
+the search), then LM rescoring of the beam when the LM is not fused. The encoder and the search run
+in the options' precision (bf16 autocast or fp32); the search's scores are summed in fp32 either way
+(the decoder's and CTC's log-probabilities are computed in fp32).
 
     task = DecodingTask(model, tokenizer, DecodingOptions(beam_size=20), lexicon=lexicon, lm=lm)
     nbest_lists = task.run([feats_1, feats_2])   # (T_i, n_mels) normalized features each
@@ -16,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -28,12 +31,13 @@ from asr.model import ASRModel
 from asr.search import Hypothesis, Scorers, SearchOptions, check_fields, decode_memory
 from asr.tokenizer import Tokenizer
 
-__all__ = ["FEW_ROWS", "DecodingOptions", "DecodingTask", "intra_op_threads"]
+__all__ = ["FEW_ROWS", "PRECISIONS", "DecodingOptions", "DecodingTask", "intra_op_threads", "resolve_precision"]
 
 # A search over at most this many rows (utterances x beam) has operators too small to share among
 # threads (a LayerNorm of 10 x 256, a 10-row matmul): waking a second thread for each costs more
 # than it saves. `DecodingTask(search_threads=1)` runs such searches on one CPU thread.
 FEW_ROWS = 16
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,13 @@ class DecodingOptions(SearchOptions):
     # instead of rescoring the ended hypotheses
     lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word, beside lm_weight * ln P_LM(words)
     # (each word costs -ln P of the LM, so without it the LM favours dropping words); unused without lm
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: the encoder and the search under bf16
+    # autocast; auto: bf16 on a CUDA GPU that supports it natively, fp32 elsewhere (the CPU)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_fields(self, (
+            ("precision", self.precision in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
             ("lexicon", not self.lexicon or self.mode == "attention",
              f"applies to beam search (mode attention), not to mode {self.mode}"),
             ("lm", not self.lm or self.mode == "attention",
@@ -67,7 +74,8 @@ class DecodingTask:
     """A model decoding with `options`: the scorers they ask for are built once, from the compiled
     `lexicon` (required when options.lexicon is set) and the loaded `lm` (required when options.lm
     is). The model should be in eval mode. `search_threads`: torch's intra-op threads while a CPU
-    search has at most FEW_ROWS rows (None: torch's setting is left alone)."""
+    search has at most FEW_ROWS rows (None: torch's setting is left alone). `precision`: "fp32" or
+    "bf16", what options.precision means on the model's device (resolve_precision)."""
 
     def __init__(self, model: ASRModel, tokenizer: Tokenizer, options: DecodingOptions, *,
                  lexicon: Lexicon | None = None, lm: NgramLM | None = None, search_threads: int | None = None) -> None:
@@ -77,6 +85,8 @@ class DecodingTask:
             raise ValueError(f"decoding.lm = {options.lm!r} and the loaded LM go together")
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.search_threads = search_threads
+        self.device = next(model.parameters()).device
+        self.precision = resolve_precision(options.precision, self.device)
         self.rescorer = lm if lm is not None and not options.lm_fusion else None
         # rescoring ranks the whole beam; the search then returns all of it
         search = {f.name: getattr(options, f.name) for f in dataclasses.fields(SearchOptions)}
@@ -115,15 +125,20 @@ class DecodingTask:
         """The encoder output (B, T, d) and its lengths (B,) of features (T_i, n_mels) each."""
         lens = torch.tensor([f.size(0) for f in feats], device=feats[0].device)
         padded = torch.nn.utils.rnn.pad_sequence(list(feats), batch_first=True)  # (B, T, D)
-        return self.model.encoder(padded, lens)
+        with self._autocast():
+            return self.model.encoder(padded, lens)
 
     def search(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
         """The search's n-best lists of an encoder output (the whole beam when it is rescored)."""
         options = self.search_options
         rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
         few = self.search_threads is not None and rows <= FEW_ROWS and memory.device.type == "cpu"
-        with intra_op_threads(self.search_threads if few else None):
+        with intra_op_threads(self.search_threads if few else None), self._autocast():
             return decode_memory(self.model, memory, memory_lens, options, self.scorers)
+
+    def _autocast(self) -> AbstractContextManager:
+        """bf16 autocast on the model's device when the precision is bf16; nothing for fp32."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16" else nullcontext()
 
     def rescore(self, nbest: tuple[Hypothesis, ...]) -> tuple[Hypothesis, ...]:
         """The best options.nbest of `nbest` after adding lm_weight * ln P_LM(words) +
@@ -132,6 +147,17 @@ class DecodingTask:
         best = rescore([(w, h.score) for w, h in zip(words, nbest)], self.rescorer, self.options.lm_weight,
                        self.options.nbest, self.options.lm_word_bonus)
         return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"fp32" or "bf16": what decoding.precision (PRECISIONS) means on `device`. auto is bf16 on a
+    CUDA GPU with native bf16, fp32 elsewhere; bf16 on a GPU without it is a ValueError."""
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"decoding.precision = 'bf16': {device} does not support bf16")
+        return "bf16" if precision == "bf16" or (precision == "auto" and native) else "fp32"
+    return "bf16" if precision == "bf16" else "fp32"
 
 
 @contextmanager

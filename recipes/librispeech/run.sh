@@ -11,7 +11,7 @@
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 download, verify (md5) and unpack the archives   1 manifests (speed perturbation 0.9/1.1)
 #   2 tokenizer (the config's tokenizer section)       3 CMVN statistics
-#   4 train (torchrun)   5 average the best checkpoints   6 decode dev/test   7 RESULTS.md
+#   4 train (torchrun)   5 average the best checkpoints   6 decode dev/test (torchrun)   7 RESULTS.md
 # Defaults: --size 100 (conf/librispeech_100h.yaml; 960: conf/librispeech_960h.yaml), data in
 # recipes/librispeech/data, experiment in recipes/librispeech/exp/NAME, beam 20 with CTC weight 0.3.
 # --lm: stages 6-7 rescore the beam with a word n-gram LM in the ARPA format (asr.lm; e.g.
@@ -138,11 +138,14 @@ train() {  # one process per visible GPU (or one on a CPU) on each of --nnodes m
     --train "$mf/train.jsonl" --valid "$mf/dev.jsonl" --exp-dir "$exp" --tokenizer "$mf/$lang" \
     --cmvn "$mf/cmvn_mel$n_mels.json" "${overrides[@]}"
 }
-decode() {
-  local set beam_args=(); [ -n "$beam" ] && beam_args=(--beam-size "$beam")
+decode() {  # one process per visible GPU (torchrun deals them the batches), one on a CPU
+  local set n launch=(asr) beam_args=(); [ -n "$beam" ] && beam_args=(--beam-size "$beam")
   if [ -n "$lm" ]; then beam_args+=(decoding.lm="$lm" decoding.lm_weight="$lm_weight"); fi
+  n=$(python -c 'import torch; print(torch.cuda.device_count())')
+  [ "$n" -gt 0 ] && launch=(torchrun --standalone --nnodes 1 --nproc-per-node "$n" -m asr.cli)
+  echo "decode: $([ "$n" -gt 0 ] && echo "torchrun, $n GPU process(es)" || echo "one process on the CPU")"
   for set in ${test_sets//,/ }; do
-    asr decode --model "$exp/model_avg.pt" --manifest "$mf/$set.jsonl" --out-dir "$exp/$dname/$set" \
+    "${launch[@]}" decode --model "$exp/model_avg.pt" --manifest "$mf/$set.jsonl" --out-dir "$exp/$dname/$set" \
       --config "$decode_config" "${beam_args[@]}"
   done
 }
