@@ -1,4 +1,6 @@
-"""The training Dataset (utterance -> features and tokens) and collate (Examples -> a padded Batch).
+"""The training Dataset (utterance -> features and tokens) and collate (Examples -> a padded Batch);
+for a frontend on the training device, the same Dataset's waveforms (`ASRDataset.waveform`) and
+`collate_waves` (WaveExamples -> a padded WaveBatch).
 
 A well-formed utterance whose audio cannot be used is returned as `Skipped(id, reason)`, never
 raised (DESIGN.md "Nothing is lost"); reporting it is the caller's. Training randomness (dither)
@@ -17,13 +19,14 @@ from torch.utils.data import Dataset
 
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.feature_archive import FeatureArchive
-from asr.features import FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank, spec_augment
+from asr.features import FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank, num_frames, spec_augment
 from asr.manifest import LENGTH_TOLERANCE, Utterance
 from asr.metrics import normalize_text
 from asr.tokenizer import Tokenizer
 from asr.tokens import IGNORE_ID
 
-__all__ = ["ASRDataset", "Batch", "Example", "Skipped", "collate", "derive_seed", "split_skipped"]
+__all__ = ["ASRDataset", "Batch", "Example", "Skipped", "WaveBatch", "WaveExample", "collate", "collate_waves",
+           "derive_seed", "split_skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,15 @@ class Example(NamedTuple):
     id: str
     feats: torch.Tensor  # (T, D) float32, after CMVN when the dataset has one
     tokens: torch.Tensor  # (L,) int64
+
+
+class WaveExample(NamedTuple):
+    """One loaded utterance's waveform, for a frontend on the training device."""
+
+    id: str
+    wave: torch.Tensor  # (N,) float32 16 kHz, start/end and speed applied
+    tokens: torch.Tensor  # (L,) int64
+    index: int  # in the dataset: keys the frontend's dither and SpecAugment
 
 
 class Skipped(NamedTuple):
@@ -118,6 +130,8 @@ class ASRDataset(Dataset):
     (what loader workers use: set_epoch does not reach persistent worker processes).
     With `archive`, the features it holds for an utterance (as its audio is now) are read from it
     instead: computed once without dither, so no dither in training either.
+    `waveform(i)` gives the waveform instead of the features (WaveExample; same Skipped rules; no
+    archive, dither or CMVN: a frontend on the training device adds them, see asr.device_frontend).
     The utterances are kept compactly (numpy arrays, no Python object per utterance);
     `utterance(i)` rebuilds one (without its speaker).
     """
@@ -181,11 +195,26 @@ class ASRDataset(Dataset):
             generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index)) if self.training else None
             feats = fbank(wave, self.features, training=self.training, generator=generator)  # (T, D)
             if feats.shape[0] == 0:
-                return Skipped(utt.id, f"too short for one frame ({wave.numel() / SAMPLE_RATE:.3f} s)")
+                return self._too_short(utt.id, wave)
         if self.cmvn is not None:
             with torch.no_grad():
                 feats = self.cmvn(feats)
         return Example(utt.id, feats, self._tokens(utt.text))
+
+    def waveform(self, index: int) -> WaveExample | Skipped:
+        """Utterance `index` as its waveform, Skipped as `get` skips it (unreadable, wrong length,
+        too short for one frame)."""
+        utt = self._utts[index]
+        wave = self._load(utt)
+        if isinstance(wave, Skipped):
+            return wave
+        if num_frames(wave.numel(), self.features) == 0:
+            return self._too_short(utt.id, wave)
+        return WaveExample(utt.id, wave, self._tokens(utt.text), index)
+
+    @staticmethod
+    def _too_short(utt_id: str, wave: torch.Tensor) -> Skipped:
+        return Skipped(utt_id, f"too short for one frame ({wave.numel() / SAMPLE_RATE:.3f} s)")
 
     def _load(self, utt: Utterance) -> torch.Tensor | Skipped:
         """(N,) float32 16 kHz waveform, or Skipped when unreadable or of the wrong length."""
@@ -220,10 +249,23 @@ class Batch(NamedTuple):
     token_lens: torch.Tensor  # (B,) int64
 
 
-def split_skipped(items: Iterable[Example | Skipped]) -> tuple[list[Example], list[Skipped]]:
-    """(the Examples, the Skipped entries), each in the given order."""
+class WaveBatch(NamedTuple):
+    """A padded batch of waveforms, for a frontend on the training device (asr.device_frontend).
+    B = utterances, N = samples, L = tokens."""
+
+    ids: list[str]
+    waves: torch.Tensor  # (B, N) float32 16 kHz, zero-padded
+    wave_lens: torch.Tensor  # (B,) int64 samples
+    tokens: torch.Tensor  # (B, L) int64, padded with IGNORE_ID (-1)
+    token_lens: torch.Tensor  # (B,) int64
+    indices: torch.Tensor  # (B,) int64 dataset indices: with `epoch`, key dither and SpecAugment
+    epoch: int
+
+
+def split_skipped(items: Iterable[Example | WaveExample | Skipped]) -> tuple[list, list[Skipped]]:
+    """(the Examples or WaveExamples, the Skipped entries), each in the given order."""
     items = list(items)
-    return [e for e in items if isinstance(e, Example)], [e for e in items if isinstance(e, Skipped)]
+    return [e for e in items if not isinstance(e, Skipped)], [e for e in items if isinstance(e, Skipped)]
 
 
 def collate(
@@ -240,13 +282,32 @@ def collate(
     kept, _ = split_skipped(examples)
     dim = kept[0].feats.shape[1] if kept else (feat_dim or 0)
     feat_lens = torch.tensor([e.feats.shape[0] for e in kept], dtype=torch.long)
-    token_lens = torch.tensor([e.tokens.numel() for e in kept], dtype=torch.long)
     feats = torch.zeros(len(kept), max(feat_lens.tolist(), default=0), dim)
-    tokens = torch.full((len(kept), max(token_lens.tolist(), default=0)), IGNORE_ID, dtype=torch.long)
     for b, e in enumerate(kept):
         feats[b, : e.feats.shape[0]] = e.feats
-        tokens[b, : e.tokens.numel()] = e.tokens
+    tokens, token_lens = _pad_tokens([e.tokens for e in kept])
     if specaug is not None and kept:
         feats = spec_augment(feats, feat_lens, specaug, generator=generator)
     return Batch([e.id for e in kept], feats, feat_lens, tokens, token_lens)
 
+
+def collate_waves(examples: Sequence[WaveExample | Skipped], *, epoch: int) -> WaveBatch:
+    """Pad the WaveExamples of `epoch` into a WaveBatch (order kept); Skipped entries are left out
+    (take them first with `split_skipped` to report them)."""
+    kept, _ = split_skipped(examples)
+    wave_lens = torch.tensor([e.wave.numel() for e in kept], dtype=torch.long)
+    waves = torch.zeros(len(kept), max(wave_lens.tolist(), default=0))
+    for b, e in enumerate(kept):
+        waves[b, : e.wave.numel()] = e.wave
+    tokens, token_lens = _pad_tokens([e.tokens for e in kept])
+    indices = torch.tensor([e.index for e in kept], dtype=torch.long)
+    return WaveBatch([e.id for e in kept], waves, wave_lens, tokens, token_lens, indices, epoch)
+
+
+def _pad_tokens(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B, L) padded with IGNORE_ID, token_lens (B,)) of B token sequences."""
+    token_lens = torch.tensor([t.numel() for t in seqs], dtype=torch.long)
+    tokens = torch.full((len(seqs), max(token_lens.tolist(), default=0)), IGNORE_ID, dtype=torch.long)
+    for b, t in enumerate(seqs):
+        tokens[b, : t.numel()] = t
+    return tokens, token_lens

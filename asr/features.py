@@ -4,8 +4,10 @@
     stats = CMVNStats(); stats.add(feats); stats.save("cmvn.json")
     cmvn = GlobalCMVN(CMVNStats.load("cmvn.json"))       # (T, D) or (B, T, D) -> normalized
     feats = spec_augment(padded, feat_lens, SpecAugmentConfig(), generator=g)   # training only
+    feats, feat_lens = batched_fbank(waves, wave_lens, FeatureConfig())   # (B, N) padded -> (B, T, 80)
+    feats = spec_augment_utterances(feats, feat_lens, SpecAugmentConfig(), generators)   # one per row
 
-Shape legend: B = batch, T = frames (10 ms each by default), D = feature bins (n_mels).
+Shape legend: B = batch, N = samples, T = frames (10 ms each by default), D = feature bins (n_mels).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import functools
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +31,13 @@ __all__ = [
     "FeatureConfig",
     "GlobalCMVN",
     "SpecAugmentConfig",
+    "batched_fbank",
     "fbank",
+    "frame_lengths",
     "frame_sizes",
     "num_frames",
     "spec_augment",
+    "spec_augment_utterances",
 ]
 
 INT16_SCALE = 32768.0  # float [-1, 1) waveform -> int16 range, as Kaldi's fbank expects
@@ -84,6 +90,13 @@ def num_frames(num_samples: int, config: FeatureConfig = DEFAULT_FEATURES,
     return 1 + (num_samples - window) // hop
 
 
+def frame_lengths(wave_lens: torch.Tensor, config: FeatureConfig = DEFAULT_FEATURES) -> torch.Tensor:
+    """`num_frames` of each length: (B,) int samples -> (B,) int64 frames, on the same device."""
+    window, hop = frame_sizes(config)
+    lens = wave_lens.to(torch.long)
+    return (lens - window).div(hop, rounding_mode="floor").add_(1).clamp_(min=0)
+
+
 def fbank(
     wave: torch.Tensor,
     config: FeatureConfig,
@@ -105,33 +118,85 @@ def fbank(
     """
     if wave.dim() != 1:
         raise ValueError(f"fbank: expected a 1-D waveform, got shape {tuple(wave.shape)}")
-    window, _ = frame_sizes(config)
+    window, hop = frame_sizes(config)
     if wave.numel() < window:
         return torch.empty(0, config.n_mels, dtype=torch.float32, device=wave.device)
     x = wave.to(torch.float32) * INT16_SCALE  # (N,) int16 units
     if training and config.dither > 0:
         x = x + config.dither * _randn(tuple(x.shape), generator, x.device)
-    return _log_mel(x, config)
+    return _log_mel(x.unfold(0, window, hop), config)
 
 
-def _log_mel(x: torch.Tensor, config: FeatureConfig) -> torch.Tensor:
+def batched_fbank(
+    waves: torch.Tensor,
+    wave_lens: torch.Tensor,
+    config: FeatureConfig,
+    *,
+    training: bool = False,
+    generators: Sequence[torch.Generator] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fbank` of a zero-padded batch on its own device: waves (B, N) float, wave_lens (B,) int ->
+    (feats (B, T, n_mels) float32, feat_lens (B,) int64), T = num_frames(N), both on the waves' device.
+
+    Row b's first feat_lens[b] frames are fbank(waves[b, :wave_lens[b]], config) to float rounding
+    (the batched FFT and matmul may round differently): every step of fbank (DC removal,
+    pre-emphasis, window, log floor) works within one frame and a frame inside the length reads
+    no padding. Frames past feat_lens[b] are zero. Dither (when `training`) is drawn for each row as
+    fbank draws it, from generators[b] (on the waves' device or the CPU; the global RNG when
+    None): the same noise as fbank with a generator of the same seed on the same device.
+    wave_lens are read on the host (keep them on the CPU: no synchronization then).
+    """
+    if waves.dim() != 2 or wave_lens.shape != (waves.shape[0],):
+        raise ValueError(f"batched_fbank: expected waves (B, N) and wave_lens (B,), got {tuple(waves.shape)} "
+                         f"and {tuple(wave_lens.shape)}")
+    B, N = waves.shape
+    lens = wave_lens.tolist()
+    if B and not 0 <= min(lens) <= max(lens) <= N:
+        raise ValueError(f"batched_fbank: wave_lens must lie in [0, {N}], got {lens}")
+    if generators is not None and len(generators) != B:
+        raise ValueError(f"batched_fbank: {len(generators)} generators for {B} waveforms")
+    window, hop = frame_sizes(config)
+    feat_lens = frame_lengths(wave_lens.to(waves.device, non_blocking=True), config)  # (B,)
+    if N < window or B == 0:
+        return torch.zeros(B, num_frames(N, config), config.n_mels, device=waves.device), feat_lens
+    x = waves.to(torch.float32) * INT16_SCALE  # (B, N) int16 units, a new tensor
+    if training and config.dither > 0:
+        for b, n in enumerate(lens):
+            if n >= window:  # fbank draws nothing for a waveform without a frame
+                g = None if generators is None else generators[b]
+                x[b, :n] += config.dither * _randn((n,), g, x.device)
+    frames = x.unfold(1, window, hop)  # (B, T, window) view
+    T = frames.shape[1]
+    rows = max(1, _CPU_FRAMES_PER_CALL // T) if x.device.type == "cpu" else B  # rows per _log_mel call
+    feats = torch.cat([_log_mel(frames[b : b + rows], config) for b in range(0, B, rows)])  # (B, T, n_mels)
+    padded = torch.arange(T, device=x.device) >= feat_lens[:, None]  # (B, T)
+    return feats.masked_fill_(padded[:, :, None], 0.0), feat_lens
+
+
+# On a CPU, a whole batch's frames overflow the caches and every stage of _log_mel runs at memory
+# speed (batched_fbank measured at half fbank's speed per frame): rows go through it in groups of
+# about this many frames. Other devices take the whole batch in one call.
+_CPU_FRAMES_PER_CALL = 2048
+
+
+def _log_mel(frames: torch.Tensor, config: FeatureConfig) -> torch.Tensor:
     """kaldi.fbank(x[None], num_mel_bins, frame_length, frame_shift, dither=0, snip_edges=True) with
     its constants (window, mel matrix) cached and no wasted work (it also computes each frame's
-    log energy, and |X| before squaring it): (N,) int16-scale float32 -> (frames, n_mels)."""
-    window, hop = frame_sizes(config)
-    povey, mel_t = _fbank_constants(window, config.n_mels, x.device)  # (window,), (F, n_mels)
-    frames = x.unfold(0, window, hop)  # (T, window) view
-    frames = frames - frames.mean(dim=1, keepdim=True)  # DC removal
-    padded = torch.zeros(frames.shape[0], _fft_size(window), dtype=torch.float32, device=x.device)  # (T, n_fft)
+    log energy, and |X| before squaring it), over the frames of one or several waveforms:
+    (..., T, window) int16-scale float32 frames -> (..., T, n_mels)."""
+    window = frames.shape[-1]
+    povey, mel_t = _fbank_constants(window, config.n_mels, frames.device)  # (window,), (F, n_mels)
+    frames = frames - frames.mean(dim=-1, keepdim=True)  # DC removal, per frame
+    padded = frames.new_zeros(*frames.shape[:-1], _fft_size(window))  # (..., T, n_fft)
     # pre-emphasis y[j] = x[j] - 0.97 x[j - 1] (x[-1] := x[0]), then the window, into the FFT buffer;
     # multiply, then subtract, as kaldi.fbank does (a fused multiply-subtract rounds differently,
     # which the lowest bins, near 20 Hz where DC removal and pre-emphasis cancel, magnify)
-    torch.sub(frames[:, 1:], frames[:, :-1] * _PREEMPHASIS, out=padded[:, 1:window])
-    padded[:, 0] = frames[:, 0] - frames[:, 0] * _PREEMPHASIS
-    padded[:, :window] *= povey
-    spectrum = torch.fft.rfft(padded)  # (T, F) complex, F = n_fft // 2 + 1
-    power = spectrum.real.square().add_(spectrum.imag.square())  # (T, F), |X|^2 without the sqrt
-    return torch.mm(power, mel_t).clamp_(min=_EPSILON).log_()  # (T, n_mels)
+    torch.sub(frames[..., 1:], frames[..., :-1] * _PREEMPHASIS, out=padded[..., 1:window])
+    padded[..., 0] = frames[..., 0] - frames[..., 0] * _PREEMPHASIS
+    padded[..., :window] *= povey
+    spectrum = torch.fft.rfft(padded)  # (..., T, F) complex, F = n_fft // 2 + 1
+    power = spectrum.real.square().add_(spectrum.imag.square())  # (..., T, F), |X|^2 without the sqrt
+    return torch.matmul(power, mel_t).clamp_(min=_EPSILON).log_()  # (..., T, n_mels)
 
 
 _PREEMPHASIS = 0.97  # Kaldi's default
@@ -361,32 +426,75 @@ def spec_augment(
     Only frames t < feat_lens[b] change; padded frames keep their values exactly. Deterministic
     given `generator`'s state (the global RNG when None). Vectorized over batch and masks.
     """
+    lens = _check_augment_input(feats, feat_lens)
+    return _augment(feats, lens, config, _draws(feats.shape[0], config, generator, feats.device))
+
+
+def spec_augment_utterances(
+    feats: torch.Tensor,
+    feat_lens: torch.Tensor,
+    config: SpecAugmentConfig,
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """`spec_augment` with row b's random numbers drawn from generators[b] alone (any device:
+    CPU generators give the same masks on every device), so an utterance gets the same masks
+    whatever batch it is in, its row and its padding. feats (B, T, D), feat_lens (B,) -> (B, T, D);
+    with CPU generators and feat_lens on the CPU, no device synchronization.
+    """
+    lens = _check_augment_input(feats, feat_lens)
+    if len(generators) != feats.shape[0]:
+        raise ValueError(f"spec_augment: {len(generators)} generators for {feats.shape[0]} utterances")
+    rows = [_draws(1, config, g, g.device) for g in generators]  # B x (1, K)
+    u = torch.cat(rows) if rows else torch.zeros(0, sum(_draw_sizes(config)), dtype=torch.float64)  # (B, K)
+    return _augment(feats, lens, config, u.to(feats.device, non_blocking=True))
+
+
+def _check_augment_input(feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
+    """feat_lens as (B,) long on the features' device, after checking the shapes and range (where
+    feat_lens are: on the host, no device synchronization)."""
     if feats.dim() != 3 or feat_lens.shape != (feats.shape[0],):
         raise ValueError(f"spec_augment: expected feats (B, T, D) and feat_lens (B,), "
                          f"got {tuple(feats.shape)} and {tuple(feat_lens.shape)}")
-    B, T, D = feats.shape
-    lens = feat_lens.to(feats.device, torch.long)  # (B,)
-    if B and (lens.min() < 0 or lens.max() > T):
+    B, T, _ = feats.shape
+    if B and (feat_lens.min() < 0 or feat_lens.max() > T):
         raise ValueError(f"spec_augment: feat_lens must lie in [0, {T}], got {feat_lens.tolist()}")
+    return feat_lens.to(feats.device, torch.long, non_blocking=True)  # (B,)
+
+
+def _draws(B: int, config: SpecAugmentConfig, generator: torch.Generator | None,
+           device: torch.device) -> torch.Tensor:
+    """(B, K) uniform [0, 1) float64 on `device`, drawn block after block: the time warp's (B, 2),
+    the frequency masks' (B, 2 Mf), the time masks' (B, 2 Mt) (`_draw_sizes`; none for what is off)."""
+    blocks = [_rand((B, k), generator, device) for k in _draw_sizes(config) if k]
+    return torch.cat(blocks, dim=1) if blocks else torch.zeros(B, 0, dtype=torch.float64, device=device)
+
+
+def _draw_sizes(config: SpecAugmentConfig) -> tuple[int, int, int]:
+    """Uniforms per utterance for (time warp, frequency masks, time masks): 2 per warp or mask."""
+    return 2 if config.time_warp else 0, 2 * config.freq_masks, 2 * config.time_masks
+
+
+def _augment(feats: torch.Tensor, lens: torch.Tensor, config: SpecAugmentConfig, u: torch.Tensor) -> torch.Tensor:
+    """SpecAugment of feats (B, T, D) within lens (B,) from the uniforms u (B, K) of `_draws`."""
+    B, T, D = feats.shape
     valid = torch.arange(T, device=feats.device) < lens[:, None]  # (B, T)
-    out = _time_warp(feats, lens, valid, config.time_warp, generator) if config.time_warp else feats
+    warp, freq, time = u.split(_draw_sizes(config), dim=1)  # (B, 2 or 0), (B, 2 Mf), (B, 2 Mt)
+    out = _time_warp(feats, lens, valid, config.time_warp, warp) if config.time_warp else feats
     masked = valid[:, :, None] & (  # (B, T, D)
-        _freq_mask(B, D, config, generator, feats.device)[:, None, :]
-        | _time_mask(lens, T, config, generator)[:, :, None]
+        _freq_mask(B, D, config, freq.reshape(B, config.freq_masks, 2), feats.device)[:, None, :]
+        | _time_mask(lens, T, config, time.reshape(B, config.time_masks, 2))[:, :, None]
     )
     return out.masked_fill(masked, 0.0)  # a new tensor, even when nothing is masked
 
 
-def _band_mask(
-    size: int, max_width: torch.Tensor, limit: torch.Tensor, n_masks: int, generator: torch.Generator | None
-) -> torch.Tensor:
-    """n_masks bands per row over `size` positions: (R, size) bool, True = masked.
+def _band_mask(size: int, max_width: torch.Tensor, limit: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """M bands per row over `size` positions: (R, size) bool, True = masked.
 
-    Row r draws width ~ U{0..max_width[r]} and start ~ U{0..limit[r] - width}, so each band
-    lies inside [0, limit[r]). max_width, limit: (R,) long with max_width <= limit.
+    Row r's band m has width floor(u[r, m, 0] * (max_width[r] + 1)) ~ U{0..max_width[r]} and start
+    ~ U{0..limit[r] - width} (from u[r, m, 1]), so it lies inside [0, limit[r]).
+    max_width, limit: (R,) long with max_width <= limit; u: (R, M, 2) uniform [0, 1).
     """
-    R, device = max_width.shape[0], max_width.device
-    u = _rand((R, n_masks, 2), generator, device)  # (R, M, 2)
+    device = max_width.device
     width = (u[..., 0] * (max_width[:, None] + 1)).long()  # (R, M)
     start = (u[..., 1] * (limit[:, None] - width + 1)).long()  # (R, M)
     pos = torch.arange(size, device=device)[None, None, :]  # (1, 1, size)
@@ -394,30 +502,26 @@ def _band_mask(
     return inside.any(dim=1)
 
 
-def _freq_mask(
-    B: int, D: int, config: SpecAugmentConfig, generator: torch.Generator | None, device: torch.device
-) -> torch.Tensor:
-    """(B, D) bool: the frequency bins masked in each utterance."""
+def _freq_mask(B: int, D: int, config: SpecAugmentConfig, u: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(B, D) bool: the frequency bins masked in each utterance; u (B, freq_masks, 2)."""
     if not config.freq_masks:
         return torch.zeros(B, D, dtype=torch.bool, device=device)
     limit = torch.full((B,), D, dtype=torch.long, device=device)
-    return _band_mask(D, limit.clamp(max=config.freq_width), limit, config.freq_masks, generator)
+    return _band_mask(D, limit.clamp(max=config.freq_width), limit, u)
 
 
-def _time_mask(
-    lens: torch.Tensor, T: int, config: SpecAugmentConfig, generator: torch.Generator | None
-) -> torch.Tensor:
-    """(B, T) bool: the frames masked in each utterance, all below its length."""
+def _time_mask(lens: torch.Tensor, T: int, config: SpecAugmentConfig, u: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the frames masked in each utterance, all below its length; u (B, time_masks, 2)."""
     if not config.time_masks:
         return torch.zeros(lens.shape[0], T, dtype=torch.bool, device=lens.device)
     max_width = (lens * config.time_width_ratio).long().clamp(max=config.max_time_width)  # (B,)
-    return _band_mask(T, max_width, lens, config.time_masks, generator)
+    return _band_mask(T, max_width, lens, u)
 
 
 def _time_warp(
-    feats: torch.Tensor, lens: torch.Tensor, valid: torch.Tensor, warp: int, generator: torch.Generator | None
+    feats: torch.Tensor, lens: torch.Tensor, valid: torch.Tensor, warp: int, u: torch.Tensor
 ) -> torch.Tensor:
-    """Piecewise-linear time warp of each utterance's valid frames (linear interpolation).
+    """Piecewise-linear time warp of each utterance's valid frames (linear interpolation); u (B, 2).
 
     A centre c uniform in [warp, L - 1 - warp] moves to c' = c + U(-warp, warp); output frame t
     reads source position t * c / c' before c' and c + (t - c') (L-1-c) / (L-1-c') after, so the
@@ -427,7 +531,6 @@ def _time_warp(
     warped = lens >= 2 * warp + 2  # (B,) which utterances are long enough
     hi = (lens - 1).clamp(min=0)  # (B,) index of the last valid frame
     last = torch.where(warped, hi, 2 * warp + 1).to(torch.float64)  # (B,) a safe dummy where not warped
-    u = _rand((B, 2), generator, feats.device)  # (B, 2)
     centre = warp + u[:, 0] * (last - 2 * warp)  # (B,) in [warp, last - warp]
     moved = (centre + (2 * u[:, 1] - 1) * warp).clamp(min=1.0)  # (B,) c' = c + U(-warp, warp)
     moved = torch.minimum(moved, last - 1)  # in [1, last - 1]: both pieces have positive length

@@ -9,7 +9,9 @@ experiment's setup in asr.trainer.train, its tokenizer, CMVN and model file, is 
 
 ASRTask: the loss of a Batch is the model's joint CTC-attention loss, normalized by the target
 tokens (eos included) and utterances of the global batch; a validation sums the same losses and
-the token accuracy, and decodes a fixed subset of the valid set greedily for CER and WER.
+the token accuracy, and decodes a fixed subset of the valid set greedily for CER and WER. Batches
+are Batches of features, or WaveBatches of waveforms whose features its DeviceFrontend computes
+on the training device.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
-from asr.dataset import Batch
-from asr.features import FeatureConfig
+from asr.audio import SAMPLE_RATE
+from asr.dataset import Batch, WaveBatch
+from asr.device_frontend import DeviceFrontend
+from asr.features import FeatureConfig, frame_lengths
 from asr.metrics import score
 from asr.model import ctc_feasible
 from asr.search import search
@@ -80,27 +84,45 @@ class ASRTask:
     """Speech recognition: the joint CTC-attention loss of a Batch, normalized by the global
     batch's target tokens (eos included) and utterances; at validation the same losses and token
     accuracy, and greedy CER/WER on a fixed subset of the valid set (rank 0, when given
-    `decode_loader`: a loader of that subset, and `decode_text` its reference texts by id)."""
+    `decode_loader`: a loader of that subset, and `decode_text` its reference texts by id).
+    With `frontend` (data.frontend = "device"), batches are WaveBatches: their features are computed
+    on `device` by it, in float32 (training features in `loss`, evaluation ones otherwise)."""
 
     speed_key = "audio_s_per_s"
     step_sums = ("loss", "att_loss", "ctc_loss", "correct")
     valid_sums = ("att_loss", "ctc_loss", "correct", "tokens", "utts")
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, features: FeatureConfig, ctc_weight: float,
-                 device: torch.device, *, decode_loader=None, decode_text: dict[str, str] | None = None):
+                 device: torch.device, *, decode_loader=None, decode_text: dict[str, str] | None = None,
+                 frontend: DeviceFrontend | None = None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.features, self.ctc_weight = features, ctc_weight
         self.decode_loader, self.decode_text = decode_loader, decode_text or {}
+        self.frontend = None if frontend is None else frontend.to(device)
         self.ctc_reported: set[str] = set()
 
-    def counts(self, group: list[Batch]) -> list[float]:
+    def _inputs(self, batch: Batch | WaveBatch, *, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(feats (B, T, D), feat_lens (B,)) on the device: a Batch's, or a WaveBatch's computed there."""
+        if isinstance(batch, WaveBatch):
+            if self.frontend is None:
+                raise ValueError("ASRTask: a WaveBatch needs a DeviceFrontend (data.frontend = 'device')")
+            waves = batch.waves.to(self.device, non_blocking=True)
+            return self.frontend(waves, batch.wave_lens, batch.indices, batch.epoch, training)
+        return batch.feats.to(self.device, non_blocking=True), batch.feat_lens.to(self.device)
+
+    def _feat_lens(self, batch: Batch | WaveBatch) -> torch.Tensor:
+        """(B,) frames, on the host."""
+        return frame_lengths(batch.wave_lens, self.features) if isinstance(batch, WaveBatch) else batch.feat_lens
+
+    def counts(self, group: list[Batch | WaveBatch]) -> list[float]:
         """(target tokens incl. eos, utterances)."""
         return [sum(float(b.token_lens.sum()) + len(b.ids) for b in group), sum(len(b.ids) for b in group)]
 
-    def loss(self, model: torch.nn.Module, batch: Batch, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model: torch.nn.Module, batch: Batch | WaveBatch,
+             counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if batch.ids:
             self._report_ctc_skips(batch)
-        feats, feat_lens = batch.feats.to(self.device, non_blocking=True), batch.feat_lens.to(self.device)
+        feats, feat_lens = self._inputs(batch, training=True)
         tokens, token_lens = batch.tokens.to(self.device, non_blocking=True), batch.token_lens.to(self.device)
         out = model(feats, feat_lens, tokens, token_lens, num_tokens=counts[0], num_utts=counts[1])
         correct = out.accuracy.detach().double() * out.num_tokens
@@ -113,31 +135,41 @@ class ASRTask:
         return {"loss": sums[0] / steps, "att_loss": sums[1] / steps, "ctc_loss": sums[2] / steps,
                 "accuracy": sums[3] / max(counts[0], 1)}
 
-    def _report_ctc_skips(self, batch: Batch) -> None:
+    def _report_ctc_skips(self, batch: Batch | WaveBatch) -> None:
         """Log (once per id) the utterances CTC cannot align; computed on the CPU from the lengths,
         so no device synchronization. The model leaves them out of the CTC loss itself."""
-        frames = self.model.encoder.subsampling.output_lengths(batch.feat_lens)
+        frames = self.model.encoder.subsampling.output_lengths(self._feat_lens(batch))
         for i in (~ctc_feasible(batch.tokens, batch.token_lens, frames)).nonzero().flatten().tolist():
             if batch.ids[i] not in self.ctc_reported:
                 self.ctc_reported.add(batch.ids[i])
                 log.warning("%s: more labels than encoder frames for CTC; left out of the CTC loss", batch.ids[i])
 
-    def amount(self, group: list[Batch]) -> float:
+    def amount(self, group: list[Batch | WaveBatch]) -> float:
         """Seconds of audio."""
-        return sum(float(b.feat_lens.sum()) for b in group) * self.features.frame_shift_ms / 1000
+        return sum(float(self._durations(b).sum()) for b in group)
 
-    def placeholder(self) -> Batch:
-        """One short utterance with one token."""
+    def placeholder(self) -> Batch | WaveBatch:
+        """One short utterance (1 s) with one token; a WaveBatch of silence with a frontend."""
+        tokens, token_lens = torch.full((1, 1), FIRST_TOKEN), torch.tensor([1])
+        if self.frontend is not None:
+            return WaveBatch(ids=[], waves=torch.zeros(1, SAMPLE_RATE), wave_lens=torch.tensor([SAMPLE_RATE]),
+                             tokens=tokens, token_lens=token_lens, indices=torch.tensor([0]), epoch=0)
         return Batch(ids=[], feats=torch.zeros(1, 100, self.features.n_mels), feat_lens=torch.tensor([100]),
-                     tokens=torch.full((1, 1), FIRST_TOKEN), token_lens=torch.tensor([1]))
+                     tokens=tokens, token_lens=token_lens)
 
-    def _longest(self, batch: Batch) -> float:
-        return float(batch.feat_lens.max()) * self.features.frame_shift_ms / 1000
+    def _durations(self, batch: Batch | WaveBatch) -> torch.Tensor:
+        """(B,) float64 seconds of each utterance (of its samples, or of its frames)."""
+        if isinstance(batch, WaveBatch):
+            return batch.wave_lens.double() / SAMPLE_RATE
+        return batch.feat_lens.double() * (self.features.frame_shift_ms / 1000)
 
-    def describe(self, batch: Batch) -> str:
+    def _longest(self, batch: Batch | WaveBatch) -> float:
+        return float(self._durations(batch).max())
+
+    def describe(self, batch: Batch | WaveBatch) -> str:
         return f"a batch of {len(batch.ids)} utterances (longest {self._longest(batch):.1f} s)"
 
-    def halves(self, batch: Batch, step: int) -> list[Batch]:
+    def halves(self, batch: Batch | WaveBatch, step: int) -> list[Batch | WaveBatch]:
         """The two halves of a micro-batch that ran out of memory, or [] for one utterance (skipped,
         with a warning)."""
         if len(batch.ids) == 1:
@@ -147,10 +179,11 @@ class ASRTask:
         half = len(batch.ids) // 2
         return [_rows(batch, slice(0, half)), _rows(batch, slice(half, None))]
 
-    def validation(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def validation(self, model: torch.nn.Module, batch: Batch | WaveBatch) -> torch.Tensor:
         one = torch.ones((), device=self.device)
-        out = model(batch.feats.to(self.device), batch.feat_lens.to(self.device), batch.tokens.to(self.device),
-                    batch.token_lens.to(self.device), num_tokens=one, num_utts=one)
+        feats, feat_lens = self._inputs(batch, training=False)
+        out = model(feats, feat_lens, batch.tokens.to(self.device), batch.token_lens.to(self.device),
+                    num_tokens=one, num_utts=one)
         return torch.stack([out.att_loss.double(), out.ctc_loss.double(), out.accuracy.double() * out.num_tokens,
                             torch.as_tensor(out.num_tokens, dtype=torch.float64, device=self.device),
                             torch.as_tensor(out.num_utts, dtype=torch.float64, device=self.device)])
@@ -170,8 +203,9 @@ class ASRTask:
         for batch in self.decode_loader:
             if not batch.ids:
                 continue
+            feats, feat_lens = self._inputs(batch, training=False)
             with autocast():
-                found = search(model, batch.feats.to(self.device), batch.feat_lens.to(self.device))
+                found = search(model, feats, feat_lens)
             for utt_id, hyp in zip(batch.ids, found):
                 refs[utt_id], hyps[utt_id] = self.decode_text[utt_id], self.tokenizer.decode(hyp.tokens)
         if not refs:
@@ -180,8 +214,14 @@ class ASRTask:
         return {"cer": stats.cer, "wer": stats.wer}
 
 
-def _rows(batch: Batch, rows: slice) -> Batch:
-    """Some utterances of a padded batch, trimmed to their own longest features and targets."""
-    feat_lens, token_lens = batch.feat_lens[rows], batch.token_lens[rows]
-    frames, tokens = int(feat_lens.max()), int(token_lens.max())
-    return Batch(batch.ids[rows], batch.feats[rows, :frames], feat_lens, batch.tokens[rows, :tokens], token_lens)
+def _rows(batch: Batch | WaveBatch, rows: slice) -> Batch | WaveBatch:
+    """Some utterances of a padded batch, trimmed to their own longest features (or waveforms)
+    and targets."""
+    token_lens = batch.token_lens[rows]
+    tokens = batch.tokens[rows, : int(token_lens.max())]
+    if isinstance(batch, WaveBatch):
+        wave_lens = batch.wave_lens[rows]
+        waves = batch.waves[rows, : int(wave_lens.max())]
+        return WaveBatch(batch.ids[rows], waves, wave_lens, tokens, token_lens, batch.indices[rows], batch.epoch)
+    feat_lens = batch.feat_lens[rows]
+    return Batch(batch.ids[rows], batch.feats[rows, : int(feat_lens.max())], feat_lens, tokens, token_lens)
