@@ -24,8 +24,9 @@ import warnings
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from asr.config import config_diff, read_yaml
@@ -37,7 +38,8 @@ VERSION = 1
 
 __all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "VERSION", "CheckpointError", "TrainingError", "save_atomic",
            "load_file", "model_file", "average_state_dicts", "average", "checkpoint_dir", "clean_experiment",
-           "check_or_save_config", "read_index", "resume", "resume_hint", "save_checkpoint"]
+           "check_or_save_config", "read_index", "resume", "resume_hint", "rng_state", "save_checkpoint",
+           "set_rng_state", "Resumed"]
 
 log = logging.getLogger("asr.train")
 
@@ -232,21 +234,48 @@ def resume_hint(exp: Path) -> str:
     return f"rerun the same command to resume from {checkpoint_dir(exp) / last[-1]['file']}"
 
 
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's random states: torch's CPU generator, its own CUDA device's (None on a CPU),
+    numpy's and python's global generators."""
+    cuda = device is not None and device.type == "cuda"
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+             "has_gauss": int(has_gauss), "gauss": float(gauss)}  # tensors and scalars: weights_only loads them
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if cuda else None,
+            "numpy": numpy, "python": random.getstate()}
+
+
+def set_rng_state(states: Mapping[str, Any], device: torch.device | None = None) -> None:
+    """Restore what `rng_state` returned (the CUDA state onto `device`, when both have one)."""
+    torch.set_rng_state(states["torch"].cpu())
+    random.setstate(_as_tuple(states["python"]))
+    numpy = states.get("numpy")
+    if numpy is not None:
+        keys = numpy["keys"].cpu().numpy().astype(np.uint32)
+        np.random.set_state((numpy["kind"], keys, numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
+    cuda = states.get("cuda")
+    if isinstance(cuda, list):  # written by one process holding every device's state
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+    elif cuda is not None and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda.cpu(), device)
+
+
 def save_checkpoint(exp: Path, envelope: Mapping[str, Any], *, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, state: Mapping[str, Any], valid_loss: float | None,
-                    keep_last: int, keep_best: int) -> Path:
+                    keep_last: int, keep_best: int, rng: Sequence[Mapping[str, Any]] | None = None) -> Path:
     """Write EXP/checkpoints/ckpt-<step>.pt atomically: the model file `envelope` (`model_file`)
-    with the optimizer, scaler, RNG states and the loop's `state` (a dict holding "step" and
-    "epoch"); then index it and prune old ones. A failed write (a full disk) is a TrainingError;
-    the checkpoints written before are intact."""
+    with the optimizer, scaler, random states and the loop's `state` (a dict holding "step" and
+    "epoch"); then index it and prune old ones. `rng`: every rank's `rng_state()`, in rank order
+    (None: this process's alone). A failed write (a full disk) is a TrainingError; the checkpoints
+    written before are intact."""
     obj = dict(envelope)
     obj.update(
         format=CHECKPOINT_FORMAT, version=VERSION,
         optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
         state=dict(state),
         valid_loss=valid_loss,
-        rng={"torch": torch.get_rng_state(), "python": random.getstate(),
-             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        rng=list(rng) if rng is not None else [rng_state()],
     )
     folder = checkpoint_dir(exp)
     path = folder / f"ckpt-{state['step']:08d}.pt"
@@ -308,10 +337,20 @@ def clean_experiment(exp: Path) -> None:
         remove_stale_temporaries(folder)
 
 
+class Resumed(NamedTuple):
+    """What `resume` found: the checkpoint, the loop state it saved, and how many processes wrote
+    it (how many ranks' random states it holds)."""
+
+    path: Path
+    state: dict[str, Any]
+    processes: int
+
+
 def resume(exp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *,
-           map_location: Any = "cpu") -> tuple[Path, dict[str, Any]] | None:
-    """Load the newest checkpoint of EXP into the model, optimizer and scaler and restore the RNG
-    states; (its path, the loop state it saved), or None when there is none yet."""
+           map_location: Any = "cpu", rank: int = 0, world_size: int = 1) -> Resumed | None:
+    """Load the newest checkpoint of EXP into the model, optimizer and scaler and restore rank
+    `rank`'s random states (only when it was written by `world_size` processes: the caller seeds
+    otherwise); None when there is no checkpoint yet."""
     entries = read_index(checkpoint_dir(exp))
     if not entries:
         return None
@@ -320,12 +359,13 @@ def resume(exp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     model.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer"])
     scaler.load_state_dict(ckpt["scaler"])
-    rng = ckpt["rng"]
-    torch.set_rng_state(rng["torch"].cpu())
-    random.setstate(_as_tuple(rng["python"]))
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-    return path, ckpt["state"]
+    rngs = ckpt["rng"]
+    if not isinstance(rngs, list):  # an older version's: one process's states
+        rngs = [rngs]
+    if len(rngs) == world_size:
+        device = map_location if isinstance(map_location, torch.device) else None
+        set_rng_state(rngs[rank], device)
+    return Resumed(path, ckpt["state"], len(rngs))
 
 
 def _as_tuple(x: Any) -> Any:

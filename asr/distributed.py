@@ -47,6 +47,14 @@ class Context:
         if self.distributed:
             dist.barrier()
 
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's `obj` (picklable), in rank order; [obj] in one process."""
+        if not self.distributed:
+            return [obj]
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks in place (nothing to do in one process); returns it."""
         if self.distributed:

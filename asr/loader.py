@@ -17,13 +17,13 @@ import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from asr.corpora import speed_perturb
-from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, derive_seed, split_skipped
+from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, collate_waves, derive_seed, split_skipped
 from asr.feature_archive import ArchiveWriter, FeatureArchive
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, SpecAugmentConfig
 from asr.manifest import Utterance
@@ -47,6 +47,10 @@ class DataConfig:
     speed_perturb: list[float] | None = None  # e.g. [0.9, 1.1]: extra copies in training
     features: FeatureConfig = field(default_factory=FeatureConfig)
     specaug: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # training only
+    # where fbank, CMVN and SpecAugment run: "cpu" in the loader workers (Batches of features), or
+    # "device" on the training device in the training step (workers give WaveBatches of waveforms,
+    # asr.device_frontend computes the features); "device" excludes a feature archive
+    frontend: Literal["cpu", "device"] = "cpu"
 
 
 def select_by_duration(
@@ -101,12 +105,24 @@ class _EpochBatches(Sampler[_BatchKey]):
 class _BatchLoading(Dataset):
     """_BatchKey -> _Collated: loads the utterances of a batch (dither of its epoch) and collates
     them, with SpecAugment seeded by (seed, epoch, the batch's ids): the batch is itself a
-    function of (seed, epoch, batch index), so a resumed run replays the same masks."""
+    function of (seed, epoch, batch index), so a resumed run replays the same masks.
+    With frontend "device", loads and collates their waveforms alone, into a WaveBatch of the
+    epoch (the training step adds fbank, dither, CMVN and SpecAugment: asr.device_frontend)."""
 
-    def __init__(self, dataset: ASRDataset, specaug: SpecAugmentConfig | None, seed: int, feat_dim: int):
+    def __init__(self, dataset: ASRDataset, specaug: SpecAugmentConfig | None, seed: int, feat_dim: int,
+                 frontend: str = "cpu"):
+        if frontend not in ("cpu", "device"):
+            raise ValueError(f"data.frontend must be 'cpu' or 'device', got {frontend!r}")
+        if frontend == "device" and dataset.archive is not None:
+            raise ValueError("data.frontend 'device' computes features from the audio: it cannot read a feature "
+                             "archive (drop one of the two)")
         self.dataset, self.specaug, self.seed, self.feat_dim = dataset, specaug, seed, feat_dim
+        self.waveforms = frontend == "device"
 
     def __getitem__(self, key: _BatchKey) -> _Collated:
+        if self.waveforms:
+            kept, skipped = split_skipped(self.dataset.waveform(i) for i in key.indices)
+            return _Collated(collate_waves(kept, epoch=key.epoch), [(s.id, s.reason) for s in skipped])
         kept, skipped = split_skipped(self.dataset.get(i, key.epoch) for i in key.indices)
         generator = None
         if self.specaug is not None:
@@ -190,6 +206,7 @@ def make_loader(
     world_size: int = 1,
     pin_memory: bool = False,
     archive: FeatureArchive | None = None,
+    step_group: int | None = None,
 ) -> ASRDataLoader:
     """The loader of one rank for the whole run, at epoch 0 from its first batch; choose the
     epoch (and a resume point) with `loader.set_epoch(epoch, start_batch)` before iterating.
@@ -198,7 +215,8 @@ def make_loader(
     again), shuffled buckets, dither and SpecAugment, all derived from (seed, epoch, index /
     batch). Otherwise: batches sorted by duration, no augmentation. Utterances outside
     [min_duration, max_duration] or longer than the batch cap are left out (logged once, on
-    rank 0). With `archive`, features it holds are read from it (see ASRDataset)."""
+    rank 0). With `archive`, features it holds are read from it (see ASRDataset). `step_group`:
+    the micro-batches of one optimizer step over all ranks (see DurationBucketSampler)."""
     if training and config.speed_perturb:
         utts = speed_perturb(utts, config.speed_perturb)
     utts = select_by_duration(utts, config.min_duration, config.max_duration, report=rank == 0)
@@ -213,9 +231,10 @@ def make_loader(
         rank=rank,
         num_buckets=config.num_buckets,
         ids=[u.id for u in utts],
+        group=step_group,
     )
     specaug = config.specaug if training else None
-    loading = _BatchLoading(dataset, specaug, seed, config.features.n_mels)
+    loading = _BatchLoading(dataset, specaug, seed, config.features.n_mels, config.frontend)
     return ASRDataLoader(loading, batches, num_workers=config.num_workers, pin_memory=pin_memory)
 
 

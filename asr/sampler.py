@@ -25,9 +25,12 @@ class DurationBucketSampler(Sampler[list[int]]):
     fewer for a small set so that each bucket holds about 4 batches or more), shuffled within each
     bucket, cut greedily into batches, and the batches shuffled; all of it from a generator seeded
     by (seed, epoch). Not shuffled: sorted by duration, then cut.
-    Sharding: all ranks build the same batch list; while its length is not a multiple of
-    num_replicas the largest batch is split in two (so nothing is dropped); only when no batch can
-    be split are the last (len % num_replicas <= num_replicas - 1) batches dropped (logged).
+    Steps and sharding: `group` batches (all ranks' micro-batches of one optimizer step; a
+    multiple of num_replicas, num_replicas by default) make a step. All ranks build the same batch
+    list; while its length is not a multiple of `group` the largest batch is split in two (so
+    nothing is dropped and every step is whole); only when no batch can be split are the last
+    (len % group) batches dropped (logged). The list depends on (seed, epoch, cap, group) and not
+    on the number of ranks: with the same group, 1 rank or 8 see the same steps.
     Rank r takes batches r, r + W, r + 2W, ...: distinct, the same count on every rank.
     An utterance longer than the cap is left out. Reports go to rank 0's log only, once: the
     left-out utterances when built, the dropped batches for the first epoch that drops some.
@@ -48,6 +51,7 @@ class DurationBucketSampler(Sampler[list[int]]):
         epoch: int = 0,
         start_batch: int = 0,
         ids: Sequence[str] | None = None,
+        group: int | None = None,
     ):
         d = np.asarray(durations, dtype=np.float64)  # (N,) seconds
         if d.ndim != 1 or not np.all(np.isfinite(d)) or np.any(d <= 0):
@@ -58,6 +62,10 @@ class DurationBucketSampler(Sampler[list[int]]):
             raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
         if num_buckets < 1:
             raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        group = num_replicas if group is None else group
+        if group < 1 or group % num_replicas:
+            raise ValueError(f"group {group} is not a positive multiple of num_replicas {num_replicas}")
+        self.group = group
         self.durations = d
         self.max_batch_seconds = float(max_batch_seconds)
         self.shuffle, self.seed = shuffle, seed
@@ -67,7 +75,7 @@ class DurationBucketSampler(Sampler[list[int]]):
         # stays a small share (a small set gets fewer buckets).
         batches_worth = int(d[self._kept].sum() / self.max_batch_seconds)
         self._buckets = _quantile_buckets(self._kept, d, max(1, min(num_buckets, batches_worth // 4)))
-        self._cache: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's batches)
+        self._cache: tuple[int, list[list[int]], int] | None = None  # (epoch, this rank's batches, all ranks')
         self._drop_reported = rank != 0  # report dropped batches once, on rank 0
         self.set_epoch(epoch, start_batch)
 
@@ -97,8 +105,15 @@ class DurationBucketSampler(Sampler[list[int]]):
     def rank_batches(self) -> list[list[int]]:
         """All of this rank's batches of the current epoch, from the first."""
         if self._cache is None or self._cache[0] != self.epoch:
-            self._cache = (self.epoch, self._all_batches()[self.rank :: self.num_replicas])
+            batches = self._all_batches()
+            self._cache = (self.epoch, batches[self.rank :: self.num_replicas], len(batches))
         return self._cache[1]
+
+    def epoch_batches(self) -> int:
+        """The batches of all ranks in the current epoch (a multiple of `group`)."""
+        self.rank_batches()
+        assert self._cache is not None
+        return self._cache[2]
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self.rank_batches()[self.start_batch :]
@@ -118,8 +133,8 @@ class DurationBucketSampler(Sampler[list[int]]):
         return self._divisible(batches)
 
     def _divisible(self, batches: list[list[int]]) -> list[list[int]]:
-        """Split the largest batches until the count divides by num_replicas; drop the rest."""
-        w = self.num_replicas
+        """Split the largest batches until the count divides by `group`; drop the rest."""
+        w = self.group
         for _ in range(-len(batches) % w):
             j = max(range(len(batches)), key=lambda k: len(batches[k]), default=None)
             if j is None or len(batches[j]) < 2:
@@ -131,7 +146,7 @@ class DurationBucketSampler(Sampler[list[int]]):
             if not self._drop_reported:
                 lost = sum(len(b) for b in batches[-extra:])
                 logger.warning(
-                    "epoch %d: %d batches (%d utterances) dropped to give %d ranks equal shares "
+                    "epoch %d: %d batches (%d utterances) dropped to make whole steps of %d batches "
                     "(at most %d per epoch; reported once)", self.epoch, extra, lost, w, w - 1,
                 )
                 self._drop_reported = True

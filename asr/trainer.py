@@ -12,9 +12,16 @@ The loop knows batches only through a `Task`: the loss of a batch and its normal
 validation's metrics, what to do with a batch that runs out of memory. `ASRTask` is speech
 recognition's; a language model would bring its own and train through the same loop.
 
-Losses are normalized by the counts of the global batch (all ranks, all accumulation steps), so
-a batch split over ranks gives the gradient of one process. Every skip decision is taken from
-all-reduced values, so no rank waits forever in a collective.
+The global batch: `training.global_batch_seconds` of padded audio make one optimizer step,
+cut into micro-batches of at most `data.max_batch_seconds` (what one device holds), dealt to the
+ranks and accumulated (`batch_plan`). The sampler's epoch is a list of micro-batches that does not
+depend on the number of processes, so 1 process accumulating 8, 2 accumulating 4 and 8 taking one
+each make the same steps over the same data under the same learning-rate sequence; the training
+position is counted in micro-batches of all ranks, and the schedule's length is fixed once, from
+the first epoch's steps. Losses are normalized by the counts of the global batch, so a batch split
+over ranks gives the gradient of one process. Every skip decision is taken from all-reduced
+values, so no rank waits forever in a collective. Each rank draws its own dropout; all ranks'
+random states go into rank 0's checkpoints, so a resumed run draws what an uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -37,10 +44,13 @@ from asr.checkpoint import (
     model_file,
     resume,
     resume_hint,
+    rng_state,
     save_atomic,
     save_checkpoint,
 )
 from asr.config import ConfigError, from_dict, load_config, to_dict
+from asr.dataset import derive_seed
+from asr.device_frontend import DeviceFrontend
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
 from asr.feature_archive import FeatureArchive, FeatureArchiveError
 from asr.features import CMVNStats, GlobalCMVN
@@ -77,7 +87,10 @@ class TrainingConfig:
     warmup_steps: int = 25000  # optimizer steps
     min_lr: float = 0.0  # the floor of the cosine schedule
     grad_clip: float = 5.0
-    accum_grad: int = 1  # micro-batches per optimizer step
+    # padded audio seconds of one optimizer step over all processes, a multiple of
+    # data.max_batch_seconds (the micro-batch); 0: each process accumulates accum_grad micro-batches
+    global_batch_seconds: float = 0.0
+    accum_grad: int = 1  # micro-batches per process and optimizer step, without global_batch_seconds
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs that have it
     compile: bool = False  # torch.compile the model
     checkpoint_every: int = 1000  # optimizer steps between mid-epoch checkpoints (0: epoch ends only)
@@ -105,6 +118,57 @@ class ExperimentConfig:
         shift = self.data.features.frame_shift_ms
         if self.model.frame_shift_ms != shift:
             object.__setattr__(self, "model", dataclasses.replace(self.model, frame_shift_ms=shift))
+        tc, cap = self.training, self.data.max_batch_seconds
+        if tc.accum_grad < 1:
+            raise ValueError(f"training.accum_grad must be >= 1, got {tc.accum_grad}")
+        if tc.global_batch_seconds:
+            micro = tc.global_batch_seconds / cap
+            if tc.accum_grad != 1:
+                raise ValueError("set training.global_batch_seconds or training.accum_grad, not both (the "
+                                 "accumulation follows from the global batch and the number of processes)")
+            if micro < 1 or abs(micro - round(micro)) > 1e-6:
+                raise ValueError(f"training.global_batch_seconds ({tc.global_batch_seconds:g}) must be a whole "
+                                 f"multiple of data.max_batch_seconds ({cap:g})")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one process of `world_size` takes its part of each optimizer step."""
+
+    world_size: int
+    accum: int  # micro-batches per process and step
+    micro_batch_seconds: float  # padded seconds of one micro-batch at most
+
+    @property
+    def group(self) -> int:
+        """Micro-batches of one step, all processes."""
+        return self.world_size * self.accum
+
+    @property
+    def step_seconds(self) -> float:
+        """Padded seconds of one step at most, all processes."""
+        return self.group * self.micro_batch_seconds
+
+
+def batch_plan(config: ExperimentConfig, world_size: int) -> BatchPlan:
+    """The accumulation and micro-batch cap of each of `world_size` processes. With a global batch
+    of G micro-batches and W processes dividing G: G / W micro-batches each, at data.max_batch_seconds,
+    so every such W makes the same steps. Otherwise each process accumulates ceil(G / W) micro-batches
+    under a lower cap, so the step keeps its size (but is cut differently). Without a global batch:
+    accum_grad micro-batches per process (the step grows with W)."""
+    tc, cap = config.training, config.data.max_batch_seconds
+    if not tc.global_batch_seconds:
+        return BatchPlan(world_size, tc.accum_grad, cap)
+    micro = round(tc.global_batch_seconds / cap)
+    if micro % world_size == 0:
+        return BatchPlan(world_size, micro // world_size, cap)
+    accum = math.ceil(micro / world_size)
+    return BatchPlan(world_size, accum, tc.global_batch_seconds / (world_size * accum))
+
+
+def total_steps(tc: TrainingConfig, steps_per_epoch: int) -> int:
+    """The length of the learning-rate schedule: max_steps, else every epoch at `steps_per_epoch`."""
+    return tc.max_steps or steps_per_epoch * tc.epochs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +257,9 @@ def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ct
 def _archive(folder: str | None, config: ExperimentConfig) -> FeatureArchive | None:
     if folder is None:
         return None
+    if config.data.frontend == "device":
+        raise TrainingError(f"data.frontend 'device' computes the features from the audio: it cannot read the "
+                            f"feature archive --feats-dir {folder} (drop one of the two)")
     try:
         return FeatureArchive(folder, config.data.features)
     except FeatureArchiveError as e:
@@ -220,12 +287,16 @@ def _label_rate(tokenizer: Tokenizer, utts: list) -> float:
 
 
 def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, archive: FeatureArchive | None = None):
-    """A loader built once (persistent workers); `set_epoch` selects the epoch and position."""
-    ctx = run.ctx
-    return make_loader(utts, run.tokenizer, run.config.data, training=training, cmvn=run.cmvn,
+    """A loader built once (persistent workers); `set_epoch` selects the epoch and position.
+    Training: micro-batches of the run's plan, whole steps of them."""
+    ctx, data, group = run.ctx, run.config.data, None
+    if training:
+        data = dataclasses.replace(data, max_batch_seconds=run.plan.micro_batch_seconds)
+        group = run.plan.group
+    return make_loader(utts, run.tokenizer, data, training=training, cmvn=run.cmvn,
                        seed=run.config.training.seed, rank=ctx.rank if sharded else 0,
                        world_size=ctx.world_size if sharded else 1, pin_memory=ctx.device.type == "cuda",
-                       archive=archive)
+                       archive=archive, step_group=group)
 
 
 def _asr_task(run: _Run, valid_utts: list) -> ASRTask:
@@ -236,8 +307,11 @@ def _asr_task(run: _Run, valid_utts: list) -> ASRTask:
         utts = sorted(valid_utts, key=lambda u: u.id)
         subset = utts[::max(1, len(utts) // n)][:n]
     loader = _loader(run, subset, training=False, sharded=False) if subset else None
-    return ASRTask(run.model, run.tokenizer, run.config.data.features, run.config.model.ctc_weight, run.ctx.device,
-                   decode_loader=loader, decode_text={u.id: u.text for u in subset})
+    data = run.config.data
+    frontend = (DeviceFrontend(data.features, run.cmvn, data.specaug, seed=run.config.training.seed)
+                if data.frontend == "device" else None)
+    return ASRTask(run.model, run.tokenizer, data.features, run.config.model.ctc_weight, run.ctx.device,
+                   decode_loader=loader, decode_text={u.id: u.text for u in subset}, frontend=frontend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +333,7 @@ class _Run:
     tokenizer: Tokenizer
     cmvn_stats: CMVNStats
     cmvn: GlobalCMVN
+    plan: BatchPlan
 
     def autocast(self) -> AbstractContextManager:
         """The run's precision for a forward (bf16 / fp16 autocast, or nothing for fp32)."""
@@ -271,8 +346,12 @@ class _State:
     """Where training is; saved in every checkpoint."""
 
     epoch: int = 0
-    batch: int = 0  # this rank's batches consumed in `epoch` (all ranks consume the same count)
+    batch: int = 0  # micro-batches of all ranks consumed in `epoch` (whole steps)
     step: int = 0  # optimizer steps taken
+    total_steps: int = 0  # the schedule's length, fixed at the start (0: not yet)
+    step_group: int = 0  # micro-batches of a step, all ranks (0: not recorded)
+    micro_batch_seconds: float = 0.0  # their cap
+    processes: int = 1  # the processes that wrote the state
     bad_steps: int = 0  # non-finite steps in a row
     skipped_steps: int = 0  # non-finite steps in all
     best_loss: float = math.inf
@@ -286,6 +365,8 @@ def _build(config: ExperimentConfig, tokenizer: Tokenizer, stats: CMVNStats, lab
     torch.manual_seed(tc.seed)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size))
     model = build_model(config.model, tokens_per_second=label_rate).to(ctx.device)
+    if ctx.rank > 0:  # the same initial weights (DDP copies rank 0's anyway), dropout of its own
+        _seed_rank(tc.seed, ctx.rank)
     wrapped = model
     if tc.compile:
         wrapped = torch.compile(wrapped)
@@ -303,7 +384,27 @@ def _build(config: ExperimentConfig, tokenizer: Tokenizer, stats: CMVNStats, lab
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, vocabulary %d, device %s, precision %s, %d process(es)",
              n_params / 1e6, tokenizer.vocab_size, ctx.device, dtype or "fp32", ctx.world_size)
-    return _Run(config, exp, ctx, model, wrapped, optimizer, scaler, dtype, tokenizer, stats, GlobalCMVN(stats))
+    plan = _plan(config, ctx)
+    return _Run(config, exp, ctx, model, wrapped, optimizer, scaler, dtype, tokenizer, stats, GlobalCMVN(stats), plan)
+
+
+def _seed_rank(seed: int, rank: int, *keys: int) -> None:
+    """Seed this process's torch (CPU and CUDA) generator from (seed, rank, keys)."""
+    torch.manual_seed(derive_seed(seed, rank, *keys))
+
+
+def _plan(config: ExperimentConfig, ctx: Context) -> BatchPlan:
+    plan = batch_plan(config, ctx.world_size)
+    cap = config.data.max_batch_seconds
+    log.info("a step: %d micro-batches of at most %g padded seconds (%g s), %d process(es) accumulating %d each",
+             plan.group, plan.micro_batch_seconds, plan.step_seconds, plan.world_size, plan.accum)
+    if plan.micro_batch_seconds < cap:
+        log.warning("%d processes do not divide the %d micro-batches of training.global_batch_seconds: each "
+                    "accumulates %d of at most %.4g s (not data.max_batch_seconds %g), so the steps are cut "
+                    "differently from a run on a number of processes that divides %d", plan.world_size,
+                    round(config.training.global_batch_seconds / cap), plan.accum, plan.micro_batch_seconds,
+                    cap, round(config.training.global_batch_seconds / cap))
+    return plan
 
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -333,15 +434,38 @@ def _resume(run: _Run) -> _State:
     """The state of the newest checkpoint in EXP, its weights, optimizer, scaler and RNG states
     loaded; a fresh state when there is none. Rank 0 first removes the temporary files of writes
     a kill interrupted."""
-    if run.ctx.main:
+    ctx = run.ctx
+    if ctx.main:
         clean_experiment(run.exp)
-    found = resume(run.exp, run.model, run.optimizer, run.scaler, map_location=run.ctx.device)
+    found = resume(run.exp, run.model, run.optimizer, run.scaler, map_location=ctx.device, rank=ctx.rank,
+                   world_size=ctx.world_size)
     if found is None:
         return _State()
-    path, saved = found
-    state = _State(**saved)
-    log.info("resumed from %s (epoch %d, batch %d, step %d)", path, state.epoch + 1, state.batch, state.step)
+    state = _State(**found.state)
+    log.info("resumed from %s (epoch %d, micro-batch %d, step %d)", found.path, state.epoch + 1, state.batch,
+             state.step)
+    if found.processes != ctx.world_size:
+        _seed_rank(run.config.training.seed, ctx.rank, state.step)
+        log.warning("the checkpoint holds the random states of %d process(es), this run has %d: the dropout "
+                    "draws from here on differ from an uninterrupted run's", found.processes, ctx.world_size)
+    _check_position(run, state)
     return state
+
+
+def _check_position(run: _Run, state: _State) -> None:
+    """Refuse, in one line, to resume mid-epoch when this run's steps are cut otherwise than the
+    checkpoint's (another cap or step size: another number of processes without a global batch
+    they divide); at an epoch's end any number of processes continues."""
+    plan = run.plan
+    saved = (state.step_group or plan.group, state.micro_batch_seconds or plan.micro_batch_seconds)
+    if state.batch == 0 or saved == (plan.group, plan.micro_batch_seconds):
+        return
+    raise TrainingError(
+        f"{run.exp}: the newest checkpoint (step {state.step}) stopped mid-epoch, its steps {saved[0]} micro-batches "
+        f"of at most {saved[1]:g} s written by {state.processes} process(es); with {plan.world_size} this run cuts "
+        f"them as {plan.group} of {plan.micro_batch_seconds:g} s and would not continue at the same data: resume "
+        f"with {state.processes} process(es), or set training.global_batch_seconds to a multiple of "
+        f"data.max_batch_seconds that both numbers of processes divide")
 
 
 def _model_envelope(run: _Run) -> dict[str, Any]:
@@ -354,9 +478,12 @@ def _model_envelope(run: _Run) -> dict[str, Any]:
 def _save_checkpoint(run: _Run, state: _State, *, valid_loss: float | None) -> None:
     """Rank 0 writes EXP/checkpoints/ckpt-<step>.pt and prunes old ones; the others wait."""
     tc = run.config.training
+    state.step_group, state.micro_batch_seconds = run.plan.group, run.plan.micro_batch_seconds
+    state.processes = run.ctx.world_size
+    rngs = run.ctx.all_gather_object(rng_state(run.ctx.device))
     if run.ctx.main:
         save_checkpoint(run.exp, _model_envelope(run), optimizer=run.optimizer, scaler=run.scaler, state=vars(state),
-                        valid_loss=valid_loss, keep_last=tc.keep_last, keep_best=tc.keep_best)
+                        valid_loss=valid_loss, keep_last=tc.keep_last, keep_best=tc.keep_best, rng=rngs)
     run.ctx.barrier()
 
 
@@ -378,6 +505,10 @@ def _finish(run: _Run, logger: TrainLog) -> Path:
 def fit(run: _Run, state: _State, task: Task, train_loader, valid_loader, logger: TrainLog) -> None:
     """Epochs of training, each followed by validation and a checkpoint, until a stop condition."""
     tc = run.config.training
+    if not state.total_steps:
+        train_loader.set_epoch(0)
+        state.total_steps = total_steps(tc, train_loader.batches.epoch_batches() // run.plan.group)
+        log.info("learning-rate schedule over %d steps", state.total_steps)
     while not _why_stop(tc, state):
         finished = train_one_epoch(run, state, task, train_loader, logger)  # False: max_steps reached mid-epoch
         _report_skipped(run.ctx, train_loader)
@@ -410,20 +541,20 @@ def _report_skipped(ctx: Context, loader) -> None:
 def train_one_epoch(run: _Run, state: _State, task: Task, loader, logger: TrainLog) -> bool:
     """Optimizer steps from the saved position to the end of the epoch; False when max_steps
     stopped it early."""
-    tc = run.config.training
-    loader.set_epoch(state.epoch, state.batch)
-    total = state.batch + len(loader)
-    total_steps = tc.max_steps or math.ceil(total / tc.accum_grad) * tc.epochs
+    tc, world = run.config.training, run.ctx.world_size
+    done = state.batch // world  # this rank's micro-batches (the position is a whole number of steps)
+    loader.set_epoch(state.epoch, done)
+    total = done + len(loader)
     run.model.train()
     logger.start_clock()
     group: list = []
     # closed however the epoch ends, so that an error message starts on a line of its own
-    with progress(run.ctx.main, total, state.batch, f"epoch {state.epoch + 1}/{tc.epochs}") as bar:
+    with progress(run.ctx.main, total, done, f"epoch {state.epoch + 1}/{tc.epochs}") as bar:
         for batch in loader:
             group.append(batch)
-            if len(group) < tc.accum_grad and state.batch + len(group) < total:
+            if len(group) < run.plan.accum and state.batch // world + len(group) < total:
                 continue
-            train_step(run, state, task, group, logger, bar, total_steps)
+            train_step(run, state, task, group, logger, bar)
             group = []
             if _max_steps_reached(tc, state):
                 return False
@@ -432,18 +563,18 @@ def train_one_epoch(run: _Run, state: _State, task: Task, loader, logger: TrainL
     return True
 
 
-def train_step(run: _Run, state: _State, task: Task, group: list, logger: TrainLog, bar, total_steps: int) -> None:
+def train_step(run: _Run, state: _State, task: Task, group: list, logger: TrainLog, bar) -> None:
     """One optimizer step over the micro-batches `group`, or a skipped one when the gradient
     norm is not finite or every micro-batch ran out of memory; then its log."""
     tc = run.config.training
     for g in run.optimizer.param_groups:
-        g["lr"] = learning_rate(tc, state.step, total_steps)
+        g["lr"] = learning_rate(tc, state.step, state.total_steps)
     consumed = len(group)
     norm, sums, group, bad_loss = _accumulate(run, state, task, group)
     if group:  # without a backward there is nothing to unscale (fp16's scaler would refuse)
         run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
-    state.batch += consumed
+    state.batch += consumed * run.ctx.world_size
     # The one host synchronization of a step: skipping is decided from the gradient norm,
     # which is the same on every rank after DDP's all-reduce.
     if not group:
@@ -587,5 +718,6 @@ def load_experiment_config(path: str, overrides: list[str]) -> ExperimentConfig:
     return load_config(ExperimentConfig, path, overrides)
 
 
-__all__ = ["ExperimentConfig", "TokenizerConfig", "TrainingConfig", "TrainingError", "compute_validation_loss", "fit",
-           "learning_rate", "load_experiment_config", "train", "train_one_epoch", "train_step"]
+__all__ = ["BatchPlan", "ExperimentConfig", "TokenizerConfig", "TrainingConfig", "TrainingError", "batch_plan",
+           "compute_validation_loss", "fit", "learning_rate", "load_experiment_config", "total_steps", "train",
+           "train_one_epoch", "train_step"]

@@ -9,6 +9,8 @@ its own, or each rank of a torchrun job.
 --oom RANK:N:U                  from its N-th attempt on, RANK runs out of memory
                                 (torch.OutOfMemoryError) in every micro-batch of more than U
                                 utterances
+--rank-weights                  each rank writes its final weights to EXP/weights.rank<RANK>.pt
+                                (what DDP keeps equal on every rank, seen from outside)
 
 The faults are patched in (asr.trainer.train_step tells which attempt runs; ASRTask.loss fails),
 then asr.cli.main runs the given arguments.
@@ -25,6 +27,18 @@ import torch
 import asr.trainer
 from asr.cli import main
 from asr.train_task import ASRTask
+
+
+def dump_rank_weights() -> None:
+    """Patch the trainer's last step: each rank saves its model's weights beside model_last.pt."""
+    finish = asr.trainer._finish
+
+    @functools.wraps(finish)
+    def finish_and_dump(run, logger):
+        torch.save(run.model.state_dict(), run.exp / f"weights.rank{os.environ.get('RANK', 0)}.pt")
+        return finish(run, logger)
+
+    asr.trainer._finish = finish_and_dump
 
 
 def inject(nonfinite: str | None, oom: str | None) -> None:
@@ -57,7 +71,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nonfinite", metavar="RANK:N[,RANK:N...]")
     parser.add_argument("--oom", metavar="RANK:N:U")
+    parser.add_argument("--rank-weights", action="store_true")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the asr command line")
     options = parser.parse_args()
     inject(options.nonfinite, options.oom)
+    if options.rank_weights:
+        dump_rank_weights()
     sys.exit(main(options.args[1:] if options.args[:1] == ["--"] else options.args))

@@ -172,8 +172,9 @@ def test_resume_restores_weights_optimizer_position_and_random_state(tmp_path):
     expected_draw = torch.rand(3)
     other, other_optimizer, other_scaler = training_objects(seed=1)
     assert resume(tmp_path / "none", other, other_optimizer, other_scaler) is None
-    path, state = resume(tmp_path, other, other_optimizer, other_scaler)
+    path, state, processes = resume(tmp_path, other, other_optimizer, other_scaler)
     assert path == checkpoint_dir(tmp_path) / "ckpt-00000002.pt" and state == {"step": 2, "epoch": 1, "history": []}
+    assert processes == 1
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG as it was when the checkpoint was written
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)

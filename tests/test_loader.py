@@ -116,7 +116,7 @@ def test_reports_once_and_on_rank_0_only(corpus, tokenizer, caplog):
             assert text == ""
         else:
             assert text.count("outside 0.80") == 1 and text.count("longer than the batch cap") == 1
-            assert text.count("dropped to give 3 ranks equal shares") == 1
+            assert text.count("dropped to make whole steps of 3 batches") == 1
 
 
 def test_make_loader_filters_by_duration(corpus, tokenizer, caplog):

@@ -336,7 +336,7 @@ atexit.register(lambda: print("linear outputs:", ",".join(sorted(seen)), file=sy
 
 
 @pytest.mark.slow
-def test_a_bf16_training_step_matches_fp32(corpus, tmp_path):
+def test_bf16_training_step_matches_fp32(corpus, tmp_path):
     """The first optimizer step under bf16 autocast on the CPU gives fp32's loss within 1% and its
     gradient norm within 10% (bf16 rounds at 2^-8 relative; the model-level tolerances are in
     test_model), and its Linear layers really wrote bf16 (a no-op autocast fails here)."""

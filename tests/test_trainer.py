@@ -65,6 +65,64 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path)["state_dict"]
 
 
+def plan_steps(config, world: int, epoch: int) -> list[list[tuple[int, ...]]]:
+    """The micro-batches of each optimizer step of `epoch`, as the ranks of a `world`-process run
+    take them (rank r: its micro-batches k*accum .. (k+1)*accum - 1 of step k), sorted."""
+    from asr.sampler import DurationBucketSampler
+    from asr.trainer import batch_plan
+
+    plan = batch_plan(config, world)
+    ranks = [DurationBucketSampler(DURATIONS, max_batch_seconds=plan.micro_batch_seconds, seed=3, epoch=epoch,
+                                   num_replicas=world, rank=r, group=plan.group).rank_batches() for r in range(world)]
+    steps = len(ranks[0]) // plan.accum
+    assert all(len(r) == steps * plan.accum for r in ranks)
+    return [sorted(tuple(b) for r in ranks for b in r[k * plan.accum:(k + 1) * plan.accum]) for k in range(steps)]
+
+
+DURATIONS = np.random.default_rng(0).uniform(1.0, 16.0, 3000)
+
+
+def test_schedule_is_world_size_invariant():
+    """With a global batch of 8 micro-batches, (1 process, accum 8), (2, 4) and (8, 1) make the same
+    optimizer steps over the same data, with the same learning rates; the schedule's length is fixed
+    from the first epoch; 64 processes keep the step's size under a lower micro-batch cap."""
+    from asr.trainer import batch_plan, load_experiment_config, total_steps
+
+    config = load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.global_batch_seconds=480",
+                                                "training.scheduler=cosine", "training.warmup_steps=20",
+                                                "training.epochs=3"])
+    assert [(batch_plan(config, w).accum, batch_plan(config, w).micro_batch_seconds) for w in (1, 2, 8)] == [
+        (8, 60.0), (4, 60.0), (1, 60.0)]
+    for epoch in (0, 1):
+        runs = {w: plan_steps(config, w, epoch) for w in (1, 2, 8)}
+        assert len(runs[1]) > 20
+        assert runs[1] == runs[2] == runs[8]
+        assert sorted(i for step in runs[1] for b in step for i in b) == list(range(len(DURATIONS)))
+    tc = config.training
+    lengths = {w: total_steps(tc, len(plan_steps(config, w, 0))) for w in (1, 2, 8)}
+    assert lengths[1] == lengths[2] == lengths[8] == 3 * len(runs[1])
+    rates = {w: [learning_rate(tc, s, lengths[w]) for s in range(lengths[w])] for w in (1, 2, 8)}
+    assert rates[1] == rates[2] == rates[8]
+    assert rates[1][19] == tc.lr and rates[1][-1] == pytest.approx(tc.min_lr)
+    wide = batch_plan(config, 64)  # more processes than micro-batches: each one, at 480 / 64 s
+    assert (wide.accum, wide.micro_batch_seconds, wide.step_seconds) == (1, 7.5, 480.0)
+    # without a global batch each process accumulates accum_grad: the step grows with the processes
+    legacy = load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.accum_grad=2"])
+    assert [batch_plan(legacy, w).step_seconds for w in (1, 8)] == [120.0, 960.0]
+
+
+def test_a_global_batch_that_is_no_multiple_of_the_micro_batch_is_a_config_error():
+    from asr.config import ConfigError
+    from asr.trainer import load_experiment_config
+
+    with pytest.raises(ConfigError, match=r"global_batch_seconds \(100\) must be a whole multiple of "
+                                          r"data.max_batch_seconds \(60\)"):
+        load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.global_batch_seconds=100"])
+    with pytest.raises(ConfigError, match="global_batch_seconds or training.accum_grad, not both"):
+        load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.global_batch_seconds=120",
+                                           "training.accum_grad=2"])
+
+
 def test_learning_rate_schedules():
     noam = TrainingConfig(lr=1e-3, warmup_steps=10, scheduler="noam")
     assert learning_rate(noam, 0, 100) == pytest.approx(1e-4)
@@ -210,23 +268,33 @@ def test_average_and_nonfinite_skip(tmp_path):
     assert model["format"] == "asr-model" and set(model) >= {"model", "frontend", "tokenizer", "state_dict"}
 
 
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None and not TORCHRUN.exists(),
+                                    reason="torchrun not found")
+
+
+def torchrun(n: int, port: int) -> list[str]:
+    return [str(TORCHRUN), "--nproc_per_node", str(n), "--master_port", str(port)]
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
-                    reason="torchrun not found")
+@needs_torchrun
 def test_ddp_two_ranks_equal_one_process(tmp_path):
-    """Two gloo ranks with one batch each == one process accumulating the same two batches."""
+    """Two gloo ranks taking one micro-batch each == one process accumulating the same two, under
+    a warmup and a cosine schedule whose length comes from the data (2 epochs of 2 steps)."""
     manifest = make_corpus(tmp_path / "data", n=8, seconds=0.75, step=0.0)  # 2 a batch: 4 batches, even
     # eps >> |g| makes Adam's update proportional to the gradient, so a wrong scale would show.
-    common = ["training.max_steps=3", "training.epochs=10", "data.num_workers=0", "data.max_batch_seconds=1.5",
-              "training.eps=100.0", "training.lr=1.0", "training.warmup_steps=1", "training.scheduler=constant",
+    common = ["training.epochs=2", "data.num_workers=0", "data.max_batch_seconds=1.5",
+              "training.global_batch_seconds=3.0", "training.eps=100.0", "training.lr=1.0",
+              "training.warmup_steps=2", "training.scheduler=cosine", "training.min_lr=0.1",
               "training.checkpoint_every=0", "training.valid_decode_utts=0", "training.log_every=1"]
     one = tmp_path / "one"
-    out = asr_train(manifest, one, *common, "training.accum_grad=2")
+    out = asr_train(manifest, one, *common)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 micro-batches of at most 1.5 padded seconds (3 s), 1 process(es) accumulating 2 each" in out.stderr
     two = tmp_path / "two"
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", "29517"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = asr_train(manifest, two, *common, env=env, launcher=torchrun)
+    out = asr_train(manifest, two, *common, env=env, launcher=torchrun(2, 29517))
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = weights(one / "model_last.pt"), weights(two / "model_last.pt")
     start = weights_at_init(tmp_path)
@@ -234,17 +302,141 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
     assert moved > 1e-4
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    logged = [[json.loads(line)["loss"] for line in (e / "metrics.jsonl").read_text().splitlines()
-               if json.loads(line)["kind"] == "train"] for e in (one, two)]
-    assert logged[0] == pytest.approx(logged[1], rel=1e-5)  # rank 0 logs the whole batch's loss
+    records = [[json.loads(line) for line in (e / "metrics.jsonl").read_text().splitlines()] for e in (one, two)]
+    train = [[r for r in rs if r["kind"] == "train"] for rs in records]
+    lrs = [1.0 * 0.5, 1.0, 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 1 / 2)), 0.1]  # warmup 2, then cosine to 4 steps
+    for rs in train:
+        assert [r["step"] for r in rs] == [1, 2, 3, 4]
+        assert [r["lr"] for r in rs] == pytest.approx(lrs)
+    assert [r["loss"] for r in train[0]] == pytest.approx([r["loss"] for r in train[1]], rel=1e-5)
 
 
-def weights_at_init(tmp_path: Path) -> dict[str, torch.Tensor]:
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (found through /proc), at once."""
+    family, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        family.append(p)
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in children.read_text().split()]
+            except OSError:
+                pass
+    for p in family:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def newest_step(index: Path) -> int:
+    return max((e["step"] for e in json.loads(index.read_text() or "[]")), default=0) if index.is_file() else 0
+
+
+def train_killed(manifest: Path, exp: Path, args: list[str], kill_steps: list[int], n: int, port: int) -> list[str]:
+    """`asr train` under torchrun (n processes), SIGKILLed (the whole job) once a checkpoint of
+    each step of `kill_steps` (or a later one, past the one it resumed from) is indexed, resumed
+    each time; then run to its end. The stderr of each resumed start."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*torchrun(n, port), FAULT_LAUNCH, "--rank-weights", "--", "train", "--config", TINY, "--train", manifest,
+           "--valid", manifest, "--exp-dir", exp, *QUIET, *args]
+    index, logs = exp / "checkpoints" / "index.json", []
+    for i, at in enumerate(kill_steps):
+        log_path = exp.parent / f"{exp.name}.start{i}.log"  # a file: a pipe could fill and stall the job
+        with open(log_path, "w") as log_file:
+            job = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=log_file, env=env,
+                                   start_new_session=True)
+            at = max(at, newest_step(index) + 1)  # past the checkpoint it resumes from
+            deadline = time.time() + 300
+            while time.time() < deadline and job.poll() is None and newest_step(index) < at:
+                time.sleep(0.02)
+            alive = job.poll() is None
+            kill_tree(job.pid)  # torchrun, both ranks (torchrun starts them in sessions of their own), their workers
+            job.wait()
+        logs.append(log_path.read_text())
+        assert alive, f"training ended before step {at}: {logs[-1][-2000:]}"
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return logs[1:] + [out.stderr]
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_ddp_sigkill_resume_is_bit_exact(tmp_path):
+    """2 gloo ranks with dropout (each rank its own draws) and loader workers, SIGKILLed at two
+    seeded checkpoints (mid-epoch) and resumed: both ranks end with the weights of the run never
+    killed, bit for bit."""
+    import random
+
+    manifest = make_corpus(tmp_path / "data", n=16, seconds=0.6, step=0.05)
+    args = ["training.max_steps=14", "training.epochs=100", "training.checkpoint_every=2", "data.num_workers=1",
+            "data.max_batch_seconds=1.5", "training.global_batch_seconds=3.0", "model.dropout=0.1",
+            "training.valid_decode_utts=0", "training.warmup_steps=4"]
+    first = random.Random(0).choice([4, 6])
+    kills = [first, first + random.Random(1).choice([2, 4])]
+    killed = tmp_path / "killed"
+    logs = train_killed(manifest, killed, args, kills, 2, 29521)
+    assert all("resumed from" in log for log in logs), logs
+    straight = tmp_path / "straight"
+    train_killed(manifest, straight, args, [], 2, 29523)
+    ranks = [torch.load(e / f"weights.rank{r}.pt") for e in (straight, killed) for r in (0, 1)]
+    for k in ranks[0]:
+        assert all(torch.equal(ranks[0][k], other[k]) for other in ranks[1:]), k
+    a = weights(straight / "model_last.pt")
+    assert all(torch.equal(a[k], ranks[0][k]) for k in a)
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_resume_on_another_number_of_processes(tmp_path):
+    """Killed mid-epoch with 2 processes and resumed with 1: with a global batch both divide, the
+    one process continues at the same data (weights equal to the run of 2 never killed, to the
+    rounding of an all-reduce)."""
+    manifest = make_corpus(tmp_path / "data", n=16, seconds=0.6, step=0.05)
+    args = ["training.max_steps=10", "training.epochs=100", "training.checkpoint_every=2", "data.num_workers=0",
+            "data.max_batch_seconds=1.5", "training.valid_decode_utts=0", "training.warmup_steps=4"]
+    straight = tmp_path / "straight"
+    train_killed(manifest, straight, [*args, "training.global_batch_seconds=3.0"], [], 2, 29525)
+    moved = tmp_path / "moved"
+    train_killed(manifest, moved, [*args, "training.global_batch_seconds=3.0"], [4], 2, 29527)
+    (moved / "model_last.pt").unlink()  # finish it again from its step-4 checkpoint, in one process
+    for ckpt in sorted((moved / "checkpoints").glob("ckpt-*.pt"))[2:]:  # keep steps 2 and 4
+        ckpt.unlink()
+    entries = json.loads((moved / "checkpoints" / "index.json").read_text())
+    (moved / "checkpoints" / "index.json").write_text(json.dumps([e for e in entries if e["step"] <= 4]))
+    out = asr_train(manifest, moved, *args, "training.global_batch_seconds=3.0", "data.num_workers=0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "resumed from" in out.stderr and "holds the random states of 2 process(es), this run has 1" in out.stderr
+    a, b = weights(straight / "model_last.pt"), weights(moved / "model_last.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+
+def test_a_mid_epoch_resume_cut_otherwise_is_refused_in_one_line(tmp_path):
+    """Without a global batch, 2 processes took one micro-batch each a step; 1 process would cut
+    the epoch's list into other steps: mid-epoch it refuses, at an epoch's end it continues."""
+    from types import SimpleNamespace
+
+    from asr.trainer import BatchPlan, TrainingError, _check_position, _State
+
+    saved = _State(epoch=0, batch=6, step=3, step_group=2, micro_batch_seconds=1.5, processes=2)
+    run = SimpleNamespace(plan=BatchPlan(world_size=1, accum=1, micro_batch_seconds=1.5), exp=tmp_path)
+    with pytest.raises(TrainingError, match=r"stopped mid-epoch, its steps 2 micro-batches of at most 1.5 s written "
+                                            r"by 2 process\(es\); with 1 this run cuts them as 1 of 1.5 s .*resume "
+                                            r"with 2 process\(es\)"):
+        _check_position(run, saved)
+    _check_position(run, _State(epoch=1, batch=0, step_group=2, micro_batch_seconds=1.5, processes=2))
+    same = SimpleNamespace(plan=BatchPlan(world_size=1, accum=2, micro_batch_seconds=1.5), exp=tmp_path)
+    _check_position(same, saved)  # a global batch of 2 micro-batches: 1 process accumulating 2 continues
+
+
+def weights_at_init(tmp_path: Path, exp: str = "one") -> dict[str, torch.Tensor]:
     from asr.model import ModelConfig, build_model
     from asr.trainer import load_experiment_config
 
     config = load_experiment_config(str(TINY), QUIET)
-    vocab = load_file(tmp_path / "one" / "model_last.pt")["model"]["vocab_size"]
+    vocab = load_file(tmp_path / exp / "model_last.pt")["model"]["vocab_size"]
     torch.manual_seed(config.training.seed)
     model = build_model(ModelConfig(**{**vars(config.model), "vocab_size": vocab}))
     return model.state_dict()
@@ -254,10 +446,9 @@ def weights_at_init(tmp_path: Path) -> dict[str, torch.Tensor]:
 def test_nonfinite_on_one_rank_of_two_is_skipped_without_a_hang(tmp_path):
     manifest = make_corpus(tmp_path / "data", n=8, seconds=0.75, step=0.0)
     exp = tmp_path / "exp"
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", "29519"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = asr_train(manifest, exp, "training.max_steps=4", "training.epochs=10", "data.num_workers=0",
-                    "data.max_batch_seconds=1.5", "training.checkpoint_every=0", env=env, launcher=torchrun,
+                    "data.max_batch_seconds=1.5", "training.checkpoint_every=0", env=env, launcher=torchrun(2, 29519),
                     faults=["--nonfinite", "1:2"])  # rank 1 only, attempt 2
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
@@ -319,3 +510,23 @@ def test_a_collective_that_lost_a_rank_is_one_line():
     with pytest.raises(RuntimeError, match="Connection closed"):  # one process: left as it is
         with collective_errors(one, lambda: "resume here"):
             raise RuntimeError("Connection closed by peer")
+
+
+def test_training_with_the_device_frontend_equals_the_cpu_frontend(tmp_path):
+    """data.frontend=device (workers load waveforms, the training step computes fbank and CMVN)
+    trains the same weights as the CPU frontend without dither and SpecAugment."""
+    manifest = make_corpus(tmp_path / "data", n=4, seconds=0.6)
+    common = ["training.max_steps=3", "data.num_workers=1", "data.max_batch_seconds=1.5",
+              "training.checkpoint_every=0"]
+    runs = {}
+    for frontend in ("cpu", "device"):
+        exp = tmp_path / frontend
+        out = asr_train(manifest, exp, *common, f"data.frontend={frontend}")
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[frontend] = weights(exp / "model_last.pt")
+    start = weights_at_init(tmp_path, "cpu")
+    assert any(not torch.equal(runs["cpu"][k], start[k]) for k in start)
+    for k in runs["cpu"]:
+        torch.testing.assert_close(runs["cpu"][k], runs["device"][k], rtol=1e-4, atol=1e-5)
+    out = asr_train(manifest, tmp_path / "both", *common, "data.frontend=device", "--feats", tmp_path)
+    assert out.returncode != 0 and "cannot read the feature archive" in out.stderr
