@@ -8,11 +8,20 @@
 #   bash tools/gpu_check.sh --device cpu --config conf/tiny.yaml --warmup 1 --steps 2 --decode-batch 4   # dry run
 #
 # Needs a python (PYTHON, default python3) with torch and pyyaml; nothing is installed: the
-# repository goes on PYTHONPATH. Exit status 2 when there is no CUDA device.
+# repository goes on PYTHONPATH. Exit status 2 when there is no CUDA device. Then runs the
+# gpu-marked tests when pytest imports.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv,noheader || true
 fi
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/tools/gpu_check.py" "$@"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+"$python" "$root/tools/gpu_check.py" "$@"
+# Then the gpu-marked tests (the device frontend on CUDA against the CPU fbank, batched search on
+# CUDA), when pytest imports: put an unpacked pytest wheel on PYTHONPATH where it is not installed.
+if "$python" -c "import pytest" 2>/dev/null; then
+  (cd "$root" && "$python" -m pytest -q -p no:cacheprovider -m gpu tests)
+else
+  echo "gpu_check: no pytest for $python: the gpu-marked tests did not run" >&2
+fi
