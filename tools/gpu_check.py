@@ -280,6 +280,38 @@ def print_decoding(r: dict) -> None:
 # the driver
 
 
+def measure_frontend(cap: float, device: torch.device, repeats: int = 10) -> dict:
+    """The device frontend (asr.device_frontend: batched fbank, CMVN, SpecAugment of padded 16 kHz
+    waveforms, as `data.frontend: device` runs it in the training step) on synthetic batches of
+    `cap` padded seconds: audio seconds per second, against one worker's CPU feed."""
+    from asr.device_frontend import DeviceFrontend
+    from asr.features import CMVNStats, FeatureConfig, SpecAugmentConfig
+
+    features = FeatureConfig()
+    stats = CMVNStats(features.n_mels)
+    stats.add(torch.randn(100, features.n_mels))
+    frontend = DeviceFrontend(features, stats, SpecAugmentConfig(), seed=0).to(device)
+    rng = random.Random(0)
+    batches = [sorted(b, reverse=True) for b in cut_batches(librispeech_durations(400), cap, rng)][:repeats + 2]
+    prepared = []
+    for b in batches:
+        lens = torch.tensor([int(d * 16000) for d in b])
+        waves = torch.randn(len(b), int(lens.max())) * 0.1
+        waves[torch.arange(waves.shape[1]) >= lens[:, None]] = 0.0
+        prepared.append((waves.to(device), lens, torch.arange(len(b))))
+    for waves, lens, idx in prepared[:2]:  # warm-up
+        frontend(waves, lens, idx, 0, training=True)
+    synchronize(device)
+    start = time.perf_counter()
+    for waves, lens, idx in prepared[2:]:
+        frontend(waves, lens, idx, 0, training=True)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    audio = sum(sum(b) for b in batches[2:])
+    return {"batch_seconds": cap, "batches": len(prepared) - 2, "audio_seconds": audio,
+            "audio_s_per_s": audio / seconds}
+
+
 def pick_device(name: str) -> torch.device:
     """The device to run on; exits with status 2 and one line when CUDA (with bf16) is missing."""
     device = torch.device(name)
@@ -384,6 +416,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-beam", type=int, default=10)
     parser.add_argument("--decode-ctc", type=float, default=0.3, help="CTC weight of the joint beam search")
     parser.add_argument("--decode-fp32", action="store_true", help="decode without bf16 autocast")
+    parser.add_argument("--no-frontend", action="store_true", help="skip the device frontend measurement")
     parser.add_argument("--out", type=Path, default=ROOT / "exp/gpu_check.json")
     return parser.parse_args()
 
@@ -409,6 +442,11 @@ def main() -> None:
         report["runs"].append(run_cap(model, optimizer, config, rate, cap, args, device, peak[0]))
         print_row(report["runs"][-1])
         args.out.write_text(json.dumps(report, indent=2) + "\n")  # after each run: a timeout keeps the rest
+    if not args.no_frontend:
+        report["frontend"] = measure_frontend(min(batch_caps(args.config, args.batch_seconds)), device)
+        print(f"\ndevice frontend (fbank + CMVN + SpecAugment), {report['frontend']['batch_seconds']:g} s batches: "
+              f"{report['frontend']['audio_s_per_s']:,.0f} audio-s/s", flush=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     if not args.no_decode:
         report["decoding"] = measure_decoding(bare, config, rate, args, device)
         print_decoding(report["decoding"])
