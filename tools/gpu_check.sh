@@ -9,7 +9,7 @@
 #
 # Needs a python (PYTHON, default python3) with torch and pyyaml; nothing is installed: the
 # repository goes on PYTHONPATH. Exit status 2 when there is no CUDA device. Then runs the
-# gpu-marked tests when pytest imports.
+# gpu-marked tests when pytest imports, and tools/gpu_decode_check.py when soundfile does.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
@@ -24,4 +24,10 @@ if "$python" -c "import pytest" 2>/dev/null; then
   (cd "$root" && "$python" -m pytest -q -p no:cacheprovider -m gpu tests)
 else
   echo "gpu_check: no pytest for $python: the gpu-marked tests did not run" >&2
+fi
+# Then the sharded decode on this one GPU (torchrun N=1 against plain; needs soundfile).
+if "$python" -c "import soundfile" 2>/dev/null; then
+  "$python" "$root/tools/gpu_decode_check.py"
+else
+  echo "gpu_check: no soundfile for $python: the sharded decode check did not run" >&2
 fi
