@@ -122,7 +122,8 @@ def cmd_wer(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from asr.trainer import load_experiment_config, train
+    from asr.train_config import load_experiment_config
+    from asr.trainer import train
 
     config = load_experiment_config(args.config, args.overrides)
     path = train(config, args.train, args.valid, args.exp_dir, tokenizer_dir=args.tokenizer, cmvn_path=args.cmvn,

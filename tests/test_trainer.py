@@ -17,7 +17,7 @@ import torch
 
 from asr.checkpoint import load_file
 from asr.features import CMVNStats
-from asr.trainer import TrainingConfig, learning_rate
+from asr.train_config import TrainingConfig, learning_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "conf" / "tiny.yaml"
@@ -69,7 +69,7 @@ def plan_steps(config, world: int, epoch: int) -> list[list[tuple[int, ...]]]:
     """The micro-batches of each optimizer step of `epoch`, as the ranks of a `world`-process run
     take them (rank r: its micro-batches k*accum .. (k+1)*accum - 1 of step k), sorted."""
     from asr.sampler import DurationBucketSampler
-    from asr.trainer import batch_plan
+    from asr.train_config import batch_plan
 
     plan = batch_plan(config, world)
     ranks = [DurationBucketSampler(DURATIONS, max_batch_seconds=plan.micro_batch_seconds, seed=3, epoch=epoch,
@@ -86,7 +86,7 @@ def test_schedule_is_world_size_invariant():
     """With a global batch of 8 micro-batches, (1 process, accum 8), (2, 4) and (8, 1) make the same
     optimizer steps over the same data, with the same learning rates; the schedule's length is fixed
     from the first epoch; 64 processes keep the step's size under a lower micro-batch cap."""
-    from asr.trainer import batch_plan, load_experiment_config, total_steps
+    from asr.train_config import batch_plan, load_experiment_config, total_steps
 
     config = load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.global_batch_seconds=480",
                                                 "training.scheduler=cosine", "training.warmup_steps=20",
@@ -113,7 +113,7 @@ def test_schedule_is_world_size_invariant():
 
 def test_a_global_batch_that_is_no_multiple_of_the_micro_batch_is_a_config_error():
     from asr.config import ConfigError
-    from asr.trainer import load_experiment_config
+    from asr.train_config import load_experiment_config
 
     with pytest.raises(ConfigError, match=r"global_batch_seconds \(100\) must be a whole multiple of "
                                           r"data.max_batch_seconds \(60\)"):
@@ -205,7 +205,7 @@ def test_an_exp_saved_before_frame_shift_ms_existed_resumes(tmp_path):
 
 
 def test_the_model_frame_shift_is_the_frontends():
-    from asr.trainer import ExperimentConfig, load_experiment_config
+    from asr.train_config import ExperimentConfig, load_experiment_config
 
     config = load_experiment_config(str(ROOT / "conf" / "tiny.yaml"), ["data.features.frame_shift_ms=20"])
     assert config.model.frame_shift_ms == 20.0
@@ -418,7 +418,8 @@ def test_a_mid_epoch_resume_cut_otherwise_is_refused_in_one_line(tmp_path):
     the epoch's list into other steps: mid-epoch it refuses, at an epoch's end it continues."""
     from types import SimpleNamespace
 
-    from asr.trainer import BatchPlan, TrainingError, _check_position, _State
+    from asr.train_config import BatchPlan
+    from asr.trainer import TrainingError, _check_position, _State
 
     saved = _State(epoch=0, batch=6, step=3, step_group=2, micro_batch_seconds=1.5, processes=2)
     run = SimpleNamespace(plan=BatchPlan(world_size=1, accum=1, micro_batch_seconds=1.5), exp=tmp_path)
@@ -433,7 +434,7 @@ def test_a_mid_epoch_resume_cut_otherwise_is_refused_in_one_line(tmp_path):
 
 def weights_at_init(tmp_path: Path, exp: str = "one") -> dict[str, torch.Tensor]:
     from asr.model import ModelConfig, build_model
-    from asr.trainer import load_experiment_config
+    from asr.train_config import load_experiment_config
 
     config = load_experiment_config(str(TINY), QUIET)
     vocab = load_file(tmp_path / exp / "model_last.pt")["model"]["vocab_size"]
@@ -459,7 +460,7 @@ def test_nonfinite_on_one_rank_of_two_is_skipped_without_a_hang(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_loads_whole(path):
     """Every section of every training config is known and typed (the model test builds them)."""
-    from asr.trainer import load_experiment_config
+    from asr.train_config import load_experiment_config
 
     config = load_experiment_config(str(path), [])
     assert config.training.epochs > 0 and config.data.max_batch_seconds > 0

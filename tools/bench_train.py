@@ -64,7 +64,8 @@ from asr.features import FeatureConfig
 from asr.loader import compute_cmvn, make_loader
 from asr.manifest import Utterance, read_manifest, write_manifest
 from asr.tokenizer import load_tokenizer
-from asr.trainer import ExperimentConfig, load_experiment_config, train
+from asr.train_config import ExperimentConfig, load_experiment_config
+from asr.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_SECONDS = 40.0  # length of each source FLAC: longer than any segment (35 s)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import librispeech_durations
 
 from asr.sampler import DurationBucketSampler
-from asr.trainer import batch_plan, learning_rate, load_experiment_config, total_steps
+from asr.train_config import batch_plan, learning_rate, load_experiment_config, total_steps
 
 DEFAULT = ["conf/librispeech_100h.yaml:302", "conf/librispeech_960h.yaml:2883"]
 

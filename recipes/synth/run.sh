@@ -85,7 +85,7 @@ run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
 # its mel bins (for the CMVN statistics)
 read -r kind vocab n_mels < <(python -c '
 import sys
-from asr.trainer import load_experiment_config
+from asr.train_config import load_experiment_config
 c = load_experiment_config(sys.argv[1], sys.argv[2:])
 t = c.tokenizer
 print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels)' "$config" "${overrides[@]}") || true
