@@ -55,6 +55,15 @@ class TrainingConfig:
     patience: int = 0  # stop after this many epochs without a better validation loss (0: never)
     max_bad_steps: int = 20  # stop after this many non-finite steps in a row
     log_every: int = 10  # optimizer steps between log lines / TensorBoard points
+    # a length curriculum (asr.curriculum): the first epochs, as many as make about split_hours of
+    # audio (at least one), train on the training utterances cut into pieces of about split_seconds,
+    # the words dealt in proportion to time; utterances shorter than 1.5 x split_seconds stay whole
+    # (0: whole utterances from the start)
+    split_hours: float = 0.0
+    split_seconds: float = 5.0
+    # hours of training audio (all processes) after which, once past the warmup, a CTC loss per token
+    # still near chance (ln V) is reported, once, in the log and metrics.jsonl (0: never)
+    plateau_check_hours: float = 20.0
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     num_threads: int = 0  # torch CPU threads per process (0: torch's default)
 
@@ -74,6 +83,9 @@ class ExperimentConfig:
         if self.model.frame_shift_ms != shift:
             object.__setattr__(self, "model", dataclasses.replace(self.model, frame_shift_ms=shift))
         tc, cap = self.training, self.data.max_batch_seconds
+        if tc.split_hours < 0 or not tc.split_seconds > 0:
+            raise ValueError(f"training.split_hours ({tc.split_hours:g}) must be >= 0 and training.split_seconds "
+                             f"({tc.split_seconds:g}) positive")
         if tc.accum_grad < 1:
             raise ValueError(f"training.accum_grad must be >= 1, got {tc.accum_grad}")
         if tc.global_batch_seconds:

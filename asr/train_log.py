@@ -1,7 +1,9 @@
 """What a training run reports: the progress bar, EXP/metrics.jsonl, TensorBoard and the curves.
 
 EXP/metrics.jsonl holds one JSON record a line: {"kind": "train", "step", "epoch", ...} every
-`log_every` optimizer steps and {"kind": "valid", "step", "epoch", ...} at each validation.
+`log_every` optimizer steps, {"kind": "valid", "step", "epoch", ...} at each validation and
+{"kind": "warning", "step", "epoch", "what", "message", ...} when the run looks wrong (a CTC loss
+stuck at chance).
 TensorBoard (EXP/tensorboard) gets every number of those records as `<kind>/<key>`; `plot_curves`
 draws them into a PNG at the end of training.
 """
@@ -73,14 +75,15 @@ class TrainLog:
         return speed
 
     def train_step(self, step: int, epoch: int, skipped_steps: int, sums: torch.Tensor, norm: torch.Tensor,
-                   grad_norm: torch.Tensor, lr: float, speed: float, bar, every: int, batches: int) -> None:
+                   grad_norm: torch.Tensor, lr: float, speed: float, bar, every: int,
+                   batches: int) -> dict[str, Any] | None:
         """Every rank calls this after each step (`step` optimizer steps taken, `epoch` 1-based);
         every `every` steps the ranks' shares of the step `sums` are summed (one all-reduce, the
-        same step on every rank) and rank 0 writes the record."""
+        same step on every rank) and rank 0 writes the record, which it returns (else None)."""
         bar.update(batches)
         self.pending.append((sums, norm, grad_norm))
         if step % every:
-            return
+            return None
         total = torch.stack([s for s, _, _ in self.pending]).sum(0)  # this rank's shares
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
@@ -89,11 +92,20 @@ class TrainLog:
         gnorm, n = float(self.pending[-1][2]), len(self.pending)
         self.pending = []
         if not self.enabled:
-            return
+            return None
         record = {"kind": "train", "step": step, "epoch": epoch, **self.summarize(total, counts, n),
                   "lr": lr, "grad_norm": gnorm, self.speed_key: speed, "skipped_steps": skipped_steps}
         self._write(record)
         bar.set_postfix({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}", self.speed_key: f"{speed:.0f}"})
+        return record
+
+    def warning(self, step: int, epoch: int, what: str, message: str, **values: float) -> None:
+        """A warning about the run (`what` names it, e.g. "ctc_plateau"): a log line and a record
+        {"kind": "warning", "step", "epoch", "what", "message", **values} (rank 0)."""
+        if not self.enabled:
+            return
+        log.warning("step %d: %s", step, message)
+        self._write({"kind": "warning", "step": step, "epoch": epoch, "what": what, "message": message, **values})
 
     def valid(self, result: dict[str, Any]) -> None:
         """One validation's results (with "epoch" and "step"): a record and a log line (rank 0)."""

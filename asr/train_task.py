@@ -9,13 +9,16 @@ experiment's setup in asr.trainer.train, its tokenizer, CMVN and model file, is 
 
 ASRTask: the loss of a Batch is the model's joint CTC-attention loss, normalized by the target
 tokens (eos included) and utterances of the global batch; a validation sums the same losses and
-the token accuracy, and decodes a fixed subset of the valid set greedily for CER and WER. Batches
+the token accuracy, and decodes a fixed subset of the valid set greedily for CER and WER. Both
+report the two losses per target token (so that training and validation curves compare, and a
+CTC loss near ln V, chance, says the model is not learning: `not_learning`). Batches
 are Batches of features, or WaveBatches of waveforms whose features its DeviceFrontend computes
 on the training device.
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -38,6 +41,12 @@ log = logging.getLogger("asr.train")
 
 Autocast = Callable[[], AbstractContextManager]  # the run's precision for a forward
 
+# A CTC loss per token above this share of ln V (what guessing among V symbols costs) is near chance:
+# the model has learned where labels go (blanks between them) and how often each label occurs, but
+# not which labels it hears. That plateau sits at about 0.8 ln V; a model that learns falls below
+# 0.5 ln V (recipes/README.md).
+NEAR_CHANCE = 0.7
+
 
 class Task(Protocol):
     """What the loop asks of the batches it trains on. A batch has `ids` (its examples; none on
@@ -54,8 +63,7 @@ class Task(Protocol):
     def loss(self, model: torch.nn.Module, batch: Any, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss of one micro-batch divided by the global `counts`, its `step_sums` detached in float64)."""
 
-    @staticmethod
-    def summarize(sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
+    def summarize(self, sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
         """The metrics of a train record from `step_sums` and counts summed over `steps` steps."""
 
     def amount(self, group: list) -> float:
@@ -79,12 +87,18 @@ class Task(Protocol):
     def decode_metrics(self, model: torch.nn.Module, autocast: Autocast) -> dict[str, float]:
         """Metrics that decode (error rates), on rank 0; {} for none."""
 
+    def not_learning(self, record: dict[str, Any]) -> tuple[str, str, dict[str, float]] | None:
+        """(what, a one-line message with the likely causes, the numbers behind it) when a train
+        record says the model is not learning; None when it is."""
+
 
 class ASRTask:
     """Speech recognition: the joint CTC-attention loss of a Batch, normalized by the global
-    batch's target tokens (eos included) and utterances; at validation the same losses and token
-    accuracy, and greedy CER/WER on a fixed subset of the valid set (rank 0, when given
-    `decode_loader`: a loader of that subset, and `decode_text` its reference texts by id).
+    batch's target tokens (eos included: attention) and utterances (CTC, as ESPnet and WeNet do);
+    its records, training and validation alike, give both losses per target token and their
+    weighted sum as "loss"; at validation also the token accuracy, and greedy CER/WER on a fixed
+    subset of the valid set (rank 0, when given `decode_loader`: a loader of that subset, and
+    `decode_text` its reference texts by id).
     With `frontend` (data.frontend = "device"), batches are WaveBatches: their features are computed
     on `device` by it, in float32 (training features in `loss`, evaluation ones otherwise)."""
 
@@ -126,14 +140,33 @@ class ASRTask:
         tokens, token_lens = batch.tokens.to(self.device, non_blocking=True), batch.token_lens.to(self.device)
         out = model(feats, feat_lens, tokens, token_lens, num_tokens=counts[0], num_utts=counts[1])
         correct = out.accuracy.detach().double() * out.num_tokens
-        return out.loss, torch.stack([out.loss.detach().double(), out.att_loss.detach().double(),
-                                      out.ctc_loss.detach().double(), correct])
+        ctc_per_token = out.ctc_loss.detach().double() * (counts[1] / counts[0])
+        return out.loss, torch.stack([out.loss.detach().double(), out.att_loss.detach().double(), ctc_per_token,
+                                      correct])
 
-    @staticmethod
-    def summarize(sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
-        """Losses averaged over the steps, token accuracy over the tokens."""
-        return {"loss": sums[0] / steps, "att_loss": sums[1] / steps, "ctc_loss": sums[2] / steps,
-                "accuracy": sums[3] / max(counts[0], 1)}
+    def summarize(self, sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
+        """Losses per target token averaged over the steps ("loss": their weighted sum, as a
+        validation's), the token accuracy over the tokens, and the objective as "objective" (its CTC
+        per utterance)."""
+        att, ctc = sums[1] / steps, sums[2] / steps
+        return {"loss": self._weighted(att, ctc), "att_loss": att, "ctc_loss": ctc,
+                "accuracy": sums[3] / max(counts[0], 1), "objective": sums[0] / steps}
+
+    def _weighted(self, att: float, ctc: float) -> float:
+        return self.ctc_weight * ctc + (1 - self.ctc_weight) * att
+
+    def not_learning(self, record: dict[str, Any]) -> tuple[str, str, dict[str, float]] | None:
+        """A CTC loss per token still above NEAR_CHANCE x ln V (unless CTC is not trained)."""
+        chance = math.log(self.model.config.vocab_size)
+        ctc = record["ctc_loss"]
+        if self.ctc_weight == 0.0 or ctc < NEAR_CHANCE * chance:
+            return None
+        return "ctc_plateau", (
+            f"the CTC loss per token is {ctc:.2f}, near chance (ln V = {chance:.2f}): the model has not learned "
+            "which tokens it hears. Likely causes: transcripts that do not match their audio; a peak learning rate "
+            "too high for the batch (training.lr) or too few utterances in a step (training.global_batch_seconds); "
+            "labels almost as fast as the encoder frames (model.subsampling); too little data for the model"
+        ), {"ctc_loss": ctc, "chance": chance}
 
     def _report_ctc_skips(self, batch: Batch | WaveBatch) -> None:
         """Log (once per id) the utterances CTC cannot align; computed on the CPU from the lengths,
@@ -189,10 +222,9 @@ class ASRTask:
                             torch.as_tensor(out.num_utts, dtype=torch.float64, device=self.device)])
 
     def valid_metrics(self, sums: list[float]) -> dict[str, float]:
-        att, ctc, correct, tokens, utts = sums
-        w = self.ctc_weight
-        return {"loss": w * ctc / max(utts, 1) + (1 - w) * att / max(tokens, 1), "att_loss": att / max(tokens, 1),
-                "ctc_loss": ctc / max(utts, 1), "accuracy": correct / max(tokens, 1)}
+        att, ctc, correct, tokens, _utts = sums
+        att, ctc, accuracy = (x / max(tokens, 1) for x in (att, ctc, correct))
+        return {"loss": self._weighted(att, ctc), "att_loss": att, "ctc_loss": ctc, "accuracy": accuracy}
 
     def decode_metrics(self, model: torch.nn.Module, autocast: Autocast) -> dict[str, float]:
         """Greedy attention decoding of the decode subset: {"cer", "wer"}."""

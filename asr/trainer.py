@@ -49,6 +49,7 @@ from asr.checkpoint import (
     save_checkpoint,
 )
 from asr.config import ConfigError, from_dict, to_dict
+from asr.curriculum import split_utterances
 from asr.dataset import derive_seed
 from asr.device_frontend import DeviceFrontend
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
@@ -98,12 +99,13 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
             run = _build(config, tokenizer, cmvn, _label_rate(tokenizer, train_utts), exp, ctx)
             state = _resume(run)
             archive = _archive(feats_dir, config)
-            logger = TrainLog(exp, ctx.main, summarize=ASRTask.summarize, speed_key=ASRTask.speed_key,
+            task = _asr_task(run, valid_utts)
+            logger = TrainLog(exp, ctx.main, summarize=task.summarize, speed_key=task.speed_key,
                               resumed_at=state.step)
             train_loader = _loader(run, train_utts, training=True, archive=archive)
             valid_loader = _loader(run, valid_utts, training=False)
-            task = _asr_task(run, valid_utts)
-            fit(run, state, task, train_loader, valid_loader, logger)
+            loaders = _EpochLoaders(train_loader, *(_split_loader(run, state, train_utts, archive) or ()))
+            fit(run, state, task, loaders, valid_loader, logger)
             return _finish(run, logger)
     finally:
         end_process(ctx)
@@ -201,6 +203,40 @@ def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, arch
                        archive=archive, step_group=group)
 
 
+def _split_loader(run: _Run, state: _State, utts: list, archive: FeatureArchive | None) -> tuple[Any, int] | None:
+    """The length curriculum (training.split_hours): the loader of the training utterances cut
+    into pieces, for the first round(split_hours / hours of the training set) epochs (at least
+    one); None when there are no such epochs left or no utterance is long enough to split. The
+    pieces' features come from their audio (an archive holds whole utterances)."""
+    tc = run.config.training
+    if not tc.split_hours:
+        return None
+    hours = sum(u.duration for u in utts) / 3600
+    epochs = max(1, round(tc.split_hours / max(hours, 1e-9)))
+    if state.epoch >= epochs:
+        return None
+    pieces = split_utterances(utts, tc.split_seconds)
+    if len(pieces) == len(utts):
+        return None
+    log.info("epochs 1-%d: the %d training utterances as %d pieces of about %g s (training.split_hours %g; "
+             "%.1f hours an epoch); whole utterances from epoch %d", epochs, len(utts), len(pieces),
+             tc.split_seconds, tc.split_hours, hours, epochs + 1)
+    return _loader(run, pieces, training=True, archive=archive), epochs
+
+
+@dataclass
+class _EpochLoaders:
+    """The training loader of each epoch: the curriculum's pieces (`split`) for its first
+    `split_epochs`, then the whole utterances."""
+
+    whole: Any
+    split: Any = None
+    split_epochs: int = 0
+
+    def of(self, epoch: int):
+        return self.split if self.split is not None and epoch < self.split_epochs else self.whole
+
+
 def _asr_task(run: _Run, valid_utts: list) -> ASRTask:
     """The task, with an evenly spaced, fixed subset of the valid set to decode on rank 0."""
     n = run.config.training.valid_decode_utts
@@ -258,6 +294,8 @@ class _State:
     skipped_steps: int = 0  # non-finite steps in all
     best_loss: float = math.inf
     epochs_without_gain: int = 0
+    audio_hours: float = 0.0  # of training audio consumed (all ranks, rank 0's estimate)
+    plateau_reported: bool = False  # the not-learning warning was given (once per run)
     history: list = field(default_factory=list)  # validation results, one dict per epoch
 
 
@@ -389,14 +427,15 @@ def _finish(run: _Run, logger: TrainLog) -> Path:
 # the loop: epochs, steps, validation
 
 
-def fit(run: _Run, state: _State, task: Task, train_loader, valid_loader, logger: TrainLog) -> None:
+def fit(run: _Run, state: _State, task: Task, loaders: _EpochLoaders, valid_loader, logger: TrainLog) -> None:
     """Epochs of training, each followed by validation and a checkpoint, until a stop condition."""
     tc = run.config.training
-    if not state.total_steps:
-        train_loader.set_epoch(0)
-        state.total_steps = total_steps(tc, train_loader.batches.epoch_batches() // run.plan.group)
+    if not state.total_steps:  # every epoch counted at the whole utterances' length
+        loaders.whole.set_epoch(0)
+        state.total_steps = total_steps(tc, loaders.whole.batches.epoch_batches() // run.plan.group)
         log.info("learning-rate schedule over %d steps", state.total_steps)
     while not _why_stop(tc, state):
+        train_loader = loaders.of(state.epoch)
         finished = train_one_epoch(run, state, task, train_loader, logger)  # False: max_steps reached mid-epoch
         _report_skipped(run.ctx, train_loader)
         _validate_and_checkpoint(run, state, task, valid_loader, logger, end_of_epoch=finished)
@@ -480,9 +519,30 @@ def train_step(run: _Run, state: _State, task: Task, group: list, logger: TrainL
     if group:
         run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    speed = logger.throughput(task.amount(group) * run.ctx.world_size)
-    logger.train_step(state.step, state.epoch + 1, state.skipped_steps, sums, norm, grad_norm,
-                      run.optimizer.param_groups[0]["lr"], speed, bar, tc.log_every, consumed)
+    amount = task.amount(group) * run.ctx.world_size  # this rank's share times the ranks: near enough
+    state.audio_hours += amount / 3600
+    speed = logger.throughput(amount)
+    record = logger.train_step(state.step, state.epoch + 1, state.skipped_steps, sums, norm, grad_norm,
+                               run.optimizer.param_groups[0]["lr"], speed, bar, tc.log_every, consumed)
+    if record is not None:
+        _check_learning(run, state, task, record, logger)
+
+
+def _check_learning(run: _Run, state: _State, task: Task, record: dict, logger: TrainLog) -> None:
+    """Once per run (rank 0), past the warmup and training.plateau_check_hours of training audio:
+    the task's warning when a train record says the model is not learning (a CTC loss per token
+    still near chance)."""
+    tc = run.config.training
+    hours = state.audio_hours
+    if state.plateau_reported or not tc.plateau_check_hours or hours < tc.plateau_check_hours \
+            or state.step < tc.warmup_steps:
+        return
+    warning = task.not_learning(record)
+    if warning is not None:
+        state.plateau_reported = True
+        what, message, values = warning
+        logger.warning(state.step, state.epoch + 1, what,
+                       f"after {state.step} steps ({hours:.3g} hours of audio): {message}", **values)
 
 
 def _accumulate(run: _Run, state: _State, task: Task,

@@ -531,3 +531,56 @@ def test_training_with_the_device_frontend_equals_the_cpu_frontend(tmp_path):
         torch.testing.assert_close(runs["cpu"][k], runs["device"][k], rtol=1e-4, atol=1e-5)
     out = asr_train(manifest, tmp_path / "both", *common, "data.frontend=device", "--feats", tmp_path)
     assert out.returncode != 0 and "cannot read the feature archive" in out.stderr
+
+
+def train_two_utterances(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A tiny run on two utterances with the plateau check due at once: (its process, its records)."""
+    manifest = make_corpus(tmp_path / "data", n=2)
+    exp = tmp_path / "exp"
+    out = asr_train(manifest, exp, *overrides, "training.plateau_check_hours=0.001", "training.checkpoint_every=0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out, [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_plateau_warning_is_logged(tmp_path):
+    """A model held at chance by a zero learning rate: one warning, in the log and in
+    metrics.jsonl, with the CTC loss per token it saw; train and valid losses are per token."""
+    import math
+
+    exp = tmp_path / "exp"
+    out, records = train_two_utterances(tmp_path, "training.epochs=6", "training.lr=0.0", "training.warmup_steps=1")
+    warnings = [r for r in records if r["kind"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["what"] == "ctc_plateau", warnings
+    w = warnings[0]
+    vocab = load_file(exp / "model_last.pt")["model"]["vocab_size"]
+    assert w["chance"] == pytest.approx(math.log(vocab)) and w["ctc_loss"] >= 0.7 * w["chance"]
+    assert out.stderr.count("near chance") == 1, out.stderr[-3000:]
+    assert "training.lr" in w["message"]  # the likely causes are named
+    # the same normalization in both: at lr 0 the training (no augmentation here) and validation
+    # CTC losses per token are the same model on the same utterances
+    train = [r for r in records if r["kind"] == "train"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert train[-1]["ctc_loss"] == pytest.approx(valid[-1]["ctc_loss"], rel=0.05)
+    assert train[-1]["att_loss"] == pytest.approx(valid[-1]["att_loss"], rel=0.05)
+
+
+def test_a_learning_run_gives_no_plateau_warning(tmp_path):
+    out, records = train_two_utterances(tmp_path, "training.epochs=60", "training.lr=3e-3",
+                                        "training.warmup_steps=20")
+    assert not [r for r in records if r["kind"] == "warning"]
+    assert "near chance" not in out.stderr
+
+
+def test_the_length_curriculum_trains_on_pieces_first(tmp_path):
+    """training.split_hours: the first epochs (here 2: about split_hours of audio) on the
+    utterances cut into pieces, then whole ones; a run resumed after them builds no pieces."""
+    manifest = make_corpus(tmp_path / "data", n=2)  # 1.0 and 1.1 s, two words each
+    exp = tmp_path / "exp"
+    hours = (1.0 + 1.1) / 3600
+    args = ("training.split_seconds=0.4", f"training.split_hours={2 * hours}", "training.checkpoint_every=0")
+    out = asr_train(manifest, exp, "training.epochs=3", *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epochs 1-2: the 2 training utterances as 4 pieces of about 0.4 s" in out.stderr, out.stderr[-2000:]
+    assert "whole utterances from epoch 3" in out.stderr
+    again = asr_train(manifest, exp, "training.epochs=3", *args)  # resumed when done: no pieces left to train
+    assert again.returncode == 0 and "pieces" not in again.stderr, again.stderr[-2000:]

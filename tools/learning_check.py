@@ -1,0 +1,171 @@
+"""Does a config learn a corpus it was not tuned for? Trains it for a fixed number of steps on text
+spoken by eSpeak NG voices (or on a corpus folder you have), then says whether the CTC loss left
+its plateau and what the model scores on dev. Prints a table, writes OUT/learning_check.json.
+
+    python tools/learning_check.py --out exp/check_long --ids \\
+        --text ../shared/realspeech/librispeech_text/train-clean-100.txt --num-dev 150
+    python tools/learning_check.py --out exp/check_long_char --data exp/check_long/data \\
+        tokenizer.kind=char model.subsampling=4
+    python tools/learning_check.py --out exp/check_synth --data recipes/synth/data --steps 3600
+
+1. Data: with --text, every line but --num-dev of them (held out, spoken in the synth recipe's dev
+   accents) spoken by the training accents' voices (recipes/synth/local/synthesize.py, test split
+   empty), into OUT/data; with --data, that folder's train.jsonl and dev.jsonl. Made once.
+2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
+   training features, as recipes/synth/run.sh makes them.
+3. Training: --steps optimizer steps (training.max_steps: the schedule spans them) with --nproc
+   processes (default 2, one thread each: the synth recipe's way on 2 cores), then the last 5
+   checkpoints averaged.
+4. Dev decoded open vocabulary (no lexicon, no LM) at beam 10 with conf/decode/synth.yaml's search.
+
+The plateau: CTC loss per token near ln V (chance, V = the tokenizer's vocabulary). The table
+gives the first logged training step, and the first validation (at each epoch's end), whose CTC
+loss per token is below --below x ln V, and that step's share of the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asr.checkpoint import load_file  # noqa: E402
+from asr.train_config import load_experiment_config  # noqa: E402
+from asr.train_log import read_records  # noqa: E402
+
+SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
+DECODE_CONFIG = ROOT / "conf" / "decode" / "synth.yaml"
+
+
+def run(cmd: list, log: Path, env: dict | None = None) -> None:
+    """Run `cmd`, its output appended to `log`; exit with the log's tail when it fails."""
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"$ {' '.join(map(str, cmd))}\n")
+        f.flush()
+        done = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
+    if done.returncode:
+        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        sys.exit(f"learning_check: {cmd[0]} {cmd[1] if len(cmd) > 1 else ''} failed (see {log}):\n" + "\n".join(tail))
+
+
+def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
+    if args.data:
+        folder = Path(args.data)
+        for name in ("train.jsonl", "dev.jsonl"):
+            if not (folder / name).is_file():
+                sys.exit(f"learning_check: {folder / name}: no such manifest")
+        return folder
+    if (data / "train.jsonl").is_file() and (data / "dev.jsonl").is_file():
+        return data
+    if not args.text:
+        sys.exit("learning_check: give --text FILE (sentences to speak) or --data DIR (a corpus folder)")
+    text = Path(args.text)
+    lines = [line for line in text.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if args.ids:  # "103-1240-0001 THAT HAD ITS SOURCE ...": the id is not spoken
+        text = data.parent / "text.txt"
+        text.write_text("".join(line.split(maxsplit=1)[-1] + "\n" for line in lines), encoding="utf-8")
+    num_train = args.num_train or max(len(lines) - args.num_dev, 1)
+    run([sys.executable, SYNTHESIZE, "--out-dir", data, "--text", text, "--num-train", num_train,
+         "--num-dev", args.num_dev, "--num-test", 0, "--seed", args.seed, "--jobs", args.jobs], log)
+    return data
+
+
+def prepare(config, corpus: Path, out: Path, log: Path) -> tuple[Path, Path, Path]:
+    """(tokenizer folder, CMVN file, features folder) for the config, made once."""
+    t = config.tokenizer
+    lang = out / (f"lang_{t.kind}" + ("" if t.kind == "char" else str(t.vocab_size)))
+    if not (lang / "tokenizer.json").is_file():
+        size = [] if t.kind == "char" else ["--vocab-size", t.vocab_size]
+        run(["asr", "tokenizer", "--manifest", corpus / "train.jsonl", "--kind", t.kind, *size, "--out", lang], log)
+    n_mels = config.data.features.n_mels
+    cmvn, feats = out / f"cmvn{n_mels}.json", out / f"feats{n_mels}"
+    if not cmvn.is_file():
+        run(["asr", "cmvn", "--manifest", corpus / "train.jsonl", "--n-mels", n_mels, "--out", cmvn,
+             "--dump-feats", feats], log)
+    return lang, cmvn, feats
+
+
+def plateau_steps(records: list[dict], chance: float, below: float) -> dict:
+    """The first training record and the first validation below `below` x chance (CTC per token)."""
+    def first(kind: str) -> int | None:
+        return next((r["step"] for r in records if r["kind"] == kind and r["ctc_loss"] < below * chance), None)
+    return {"train": first("train"), "valid": first("valid")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="the check's folder (data, experiment, report)")
+    p.add_argument("--text", help="sentences to speak, one per line")
+    p.add_argument("--ids", action="store_true",
+                   help="each line of --text starts with an utterance id, not spoken (LibriSpeech, Kaldi)")
+    p.add_argument("--data", help="a corpus folder with train.jsonl and dev.jsonl instead of --text")
+    p.add_argument("--num-dev", type=int, default=150, help="held-out sentences of --text for dev")
+    p.add_argument("--num-train", type=int, default=0, help="training utterances (default: every other line once)")
+    p.add_argument("--config", default=str(ROOT / "conf" / "small.yaml"))
+    p.add_argument("--steps", type=int, default=5000, help="optimizer steps (the run's budget)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--below", type=float, default=0.5, help="off the plateau: CTC loss per token < this x ln V")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=2, help="synthesis processes")
+    p.add_argument("overrides", nargs="*", help="section.key=value for the config")
+    args = p.parse_args()
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "learning_check.log"
+    # the budget is the steps: as many epochs as they take (the schedule spans them)
+    overrides = [*args.overrides, f"training.max_steps={args.steps}", "training.epochs=100000"]
+    config = load_experiment_config(args.config, overrides)
+    corpus = make_data(args, out / "data", log)
+    lang, cmvn, feats = prepare(config, corpus, out, log)
+    exp = out / "exp"
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
+    started = time.time()
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", 1, "--nproc-per-node", args.nproc,
+         "-m", "asr.cli", "train", "--config", args.config, "--train", corpus / "train.jsonl",
+         "--valid", corpus / "dev.jsonl", "--exp-dir", exp, "--tokenizer", lang, "--cmvn", cmvn, "--feats", feats,
+         f"training.num_threads={threads}", *overrides], log, env)
+    train_seconds = time.time() - started
+    run(["asr", "average", "--exp-dir", exp, "--by", "last", "--num", 5], log)
+    decoded = out / "decode_dev"
+    run(["asr", "decode", "--model", exp / "model_avg.pt", "--manifest", corpus / "dev.jsonl", "--out-dir", decoded,
+         "--config", DECODE_CONFIG, "--beam-size", 10], log)
+
+    records = read_records(exp / "metrics.jsonl")
+    chance = math.log(load_file(exp / "model_last.pt")["model"]["vocab_size"])  # ln V
+    plateau = plateau_steps(records, chance, args.below)
+    scores = json.loads((decoded / "wer.json").read_text())
+    valid = [r for r in records if r["kind"] == "valid"]
+    report = {
+        "config": args.config, "overrides": args.overrides, "corpus": str(corpus), "steps": args.steps,
+        "train_minutes": round(train_seconds / 60, 1), "chance": chance, "below": args.below,
+        "plateau_left_at": plateau, "warnings": [r for r in records if r["kind"] == "warning"],
+        "dev": {"cer": scores["cer"], "wer": scores["wer"], "utterances": scores["utterances"]},
+        "valid": [{k: r[k] for k in ("step", "ctc_loss", "att_loss", "accuracy") if k in r} for r in valid],
+    }
+    (out / "learning_check.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    def share(step: int | None) -> str:
+        return "never" if step is None else f"step {step} ({100 * step / args.steps:.0f}%)"
+
+    print(f"\n{'check':<28} {'value'}")
+    print(f"{'config':<28} {Path(args.config).name} {' '.join(args.overrides)}")
+    print(f"{'training':<28} {args.steps} steps, {report['train_minutes']} min, {args.nproc} process(es)")
+    print(f"{'CTC < ' + f'{args.below:g} ln V, train':<28} {share(plateau['train'])}")
+    print(f"{'CTC < ' + f'{args.below:g} ln V, dev':<28} {share(plateau['valid'])}")
+    print(f"{'plateau warning':<28} {'yes' if report['warnings'] else 'no'}")
+    print(f"{'dev CER / WER (beam 10)':<28} {100 * scores['cer']:.1f}% / {100 * scores['wer']:.1f}%")
+    print(f"report: {out / 'learning_check.json'}")
+
+
+if __name__ == "__main__":
+    main()
