@@ -19,7 +19,7 @@ import make_text  # noqa: E402
 import synthesize  # noqa: E402
 
 LINES = 48  # long utterances (~14 s), each five generated training sentences: 11 minutes of audio
-STEPS = 200  # the budget, in steps of 80 s (one process)
+STEPS = 240  # the budget, in steps of 80 s (one process)
 BELOW = 0.7  # off the plateau (~0.8 ln V, where the warning's threshold is 0.7): the CTC loss per token below
 
 
