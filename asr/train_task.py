@@ -163,9 +163,10 @@ class ASRTask:
             return None
         return "ctc_plateau", (
             f"the CTC loss per token is {ctc:.2f}, near chance (ln V = {chance:.2f}): the model has not learned "
-            "which tokens it hears. Likely causes: transcripts that do not match their audio; a peak learning rate "
-            "too high for the batch (training.lr) or too few utterances in a step (training.global_batch_seconds); "
-            "labels almost as fast as the encoder frames (model.subsampling); too little data for the model"
+            "which tokens it hears. Likely causes: long utterances without a length curriculum (training.split_hours "
+            "trains the first epochs on ~5 s pieces of them; recipes/README.md); transcripts that do not match their "
+            "audio; labels almost as fast as the encoder frames (model.subsampling); a peak learning rate too high "
+            "for the batch (training.lr, training.global_batch_seconds); too little data for the model"
         ), {"ctc_loss": ctc, "chance": chance}
 
     def _report_ctc_skips(self, batch: Batch | WaveBatch) -> None:
