@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from asr.manifest import Utterance
 
-__all__ = ["split_utterance", "split_utterances"]
+__all__ = ["split_epochs", "split_utterance", "split_utterances"]
 
 MARGIN = 0.15  # seconds added to each side of a piece (within the utterance)
 
@@ -41,7 +41,7 @@ def split_utterance(utt: Utterance, piece_seconds: float, margin: float = MARGIN
         lo, hi = bounds[-1] + 1, len(words) - (pieces - k)
         bounds.append(min(range(lo, hi + 1), key=lambda i: abs(cum[i] * pieces - k * total)))
     bounds.append(len(words))
-    speed = utt.speed or 1.0
+    speed = utt.speed
     start = utt.start or 0.0
     file_seconds = utt.duration * speed  # of the file the utterance spans
     out = []
@@ -58,3 +58,12 @@ def split_utterance(utt: Utterance, piece_seconds: float, margin: float = MARGIN
 def split_utterances(utts: Sequence[Utterance], piece_seconds: float, margin: float = MARGIN) -> list[Utterance]:
     """Every utterance split by `split_utterance`, in order."""
     return [piece for utt in utts for piece in split_utterance(utt, piece_seconds, margin)]
+
+
+def split_epochs(utts: Sequence[Utterance], split_hours: float) -> int:
+    """The epochs of pieces that make about `split_hours` of audio: round(split_hours / the hours
+    of `utts`), at least one; 0 without a curriculum (split_hours 0)."""
+    if not split_hours:
+        return 0
+    hours = sum(u.duration for u in utts) / 3600
+    return max(1, round(split_hours / max(hours, 1e-9)))

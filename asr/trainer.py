@@ -48,18 +48,17 @@ from asr.checkpoint import (
     save_atomic,
     save_checkpoint,
 )
-from asr.config import ConfigError, from_dict, to_dict
-from asr.curriculum import split_utterances
+from asr.config import to_dict
+from asr.curriculum import split_epochs, split_utterances
 from asr.dataset import derive_seed
 from asr.device_frontend import DeviceFrontend
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
-from asr.feature_archive import FeatureArchive, FeatureArchiveError
+from asr.feature_archive import FeatureArchive
 from asr.features import CMVNStats, GlobalCMVN
-from asr.loader import compute_cmvn, make_loader
+from asr.loader import make_loader
 from asr.manifest import read_manifest
-from asr.metrics import normalize_text
 from asr.model import build_model
-from asr.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from asr.tokenizer import Tokenizer
 from asr.train_config import (
     BatchPlan,
     ExperimentConfig,
@@ -69,6 +68,7 @@ from asr.train_config import (
     total_steps,
 )
 from asr.train_log import TrainLog, plot_curves, progress
+from asr.train_setup import completed_config, experiment_cmvn, experiment_tokenizer, feature_archive, label_rate
 from asr.train_task import ASRTask, Task
 
 log = logging.getLogger("asr.train")
@@ -92,13 +92,13 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
     try:
         with sigterm_stops(ctx, hint), collective_errors(ctx, hint):
             train_utts, valid_utts = read_manifest(train_manifest), read_manifest(valid_manifest)
-            check_or_save_config(exp, to_dict(config), save=ctx.main, complete=_completed_config)
+            check_or_save_config(exp, to_dict(config), save=ctx.main, complete=completed_config)
             ctx.barrier()
-            tokenizer = _tokenizer(exp, config, train_utts, tokenizer_dir, ctx)
-            cmvn = _cmvn(exp, config, train_utts, cmvn_path, ctx)
-            run = _build(config, tokenizer, cmvn, _label_rate(tokenizer, train_utts), exp, ctx)
+            tokenizer = experiment_tokenizer(exp, config, train_utts, tokenizer_dir, ctx)
+            cmvn = experiment_cmvn(exp, config, train_utts, cmvn_path, ctx)
+            run = _build(config, tokenizer, cmvn, label_rate(tokenizer, train_utts), exp, ctx)
             state = _resume(run)
-            archive = _archive(feats_dir, config)
+            archive = feature_archive(feats_dir, config)
             task = _asr_task(run, valid_utts)
             logger = TrainLog(exp, ctx.main, summarize=task.summarize, speed_key=task.speed_key,
                               resumed_at=state.step)
@@ -112,82 +112,7 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
 
 
 # ---------------------------------------------------------------------------------------------
-# experiment folder, tokenizer, CMVN, loaders, the task
-
-
-def _completed_config(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved EXP/config.yaml with the keys it lacks at their defaults (as it is, when it no
-    longer reads as a config: the diff then names what changed)."""
-    try:
-        return to_dict(from_dict(ExperimentConfig, saved, source="config.yaml"))
-    except ConfigError:
-        return saved
-
-
-def _tokenizer(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ctx: Context) -> Tokenizer:
-    """The given tokenizer, or EXP/tokenizer built by rank 0 from the training text."""
-    if given:
-        return load_tokenizer(given)
-    folder = exp / "tokenizer"
-    if ctx.main and not (folder / "tokenizer.json").is_file():
-        tc = config.tokenizer
-        texts = [normalize_text(u.text) for u in utts]
-        train_tokenizer(texts, tc.kind, tc.vocab_size).save(folder)
-        log.info("built a %s tokenizer in %s", tc.kind, folder)
-    ctx.barrier()
-    return load_tokenizer(folder)
-
-
-def _cmvn(exp: Path, config: ExperimentConfig, utts: list, given: str | None, ctx: Context) -> CMVNStats:
-    """The given CMVN statistics, or EXP/cmvn.json computed by rank 0."""
-    path: str | Path
-    if given:
-        path = given
-    else:
-        path = exp / "cmvn.json"
-        if ctx.main and not path.is_file():
-            log.info("computing CMVN statistics over %d utterances", len(utts))
-            computed = compute_cmvn(utts, config.data.features, num_workers=config.data.num_workers)
-            if computed.count == 0:
-                raise TrainingError(f"none of the {len(utts)} training utterances has usable audio "
-                                    "(see the warnings above)")
-            computed.save(path)
-        ctx.barrier()
-    stats = CMVNStats.load(path)
-    _check_mel_bins(config, stats.dim, str(path))
-    return stats
-
-
-def _archive(folder: str | None, config: ExperimentConfig) -> FeatureArchive | None:
-    if folder is None:
-        return None
-    if config.data.frontend == "device":
-        raise TrainingError(f"data.frontend 'device' computes the features from the audio: it cannot read the "
-                            f"feature archive --feats-dir {folder} (drop one of the two)")
-    try:
-        return FeatureArchive(folder, config.data.features)
-    except FeatureArchiveError as e:
-        raise TrainingError(str(e)) from None
-
-
-def _check_mel_bins(config: ExperimentConfig, cmvn_dim: int | None, source: str) -> None:
-    """One line naming the three numbers when the frontend, the model and the CMVN statistics
-    disagree on the mel bins (otherwise a shape error deep in a loader worker)."""
-    features, model = config.data.features.n_mels, config.model.n_mels
-    if not features == model == cmvn_dim:
-        raise TrainingError(f"mel bins disagree: data.features.n_mels = {features}, model.n_mels = {model}, "
-                            f"{cmvn_dim} in the CMVN statistics {source}")
-
-
-def _label_rate(tokenizer: Tokenizer, utts: list) -> float:
-    """Mean target tokens per second of the training set; logs symbols the tokenizer maps to unk."""
-    texts = [normalize_text(u.text) for u in utts]
-    unknown = tokenizer.count_unknown(texts)
-    if unknown:
-        top = ", ".join(f"{sym!r} x{n}" for sym, n in unknown.most_common(10))
-        log.warning("%d symbols of the training text map to unk: %s", sum(unknown.values()), top)
-    seconds = sum(u.duration for u in utts)
-    return sum(len(tokenizer.encode(t)) for t in texts) / max(seconds, 1e-9)
+# loaders, the length curriculum, the task
 
 
 def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, archive: FeatureArchive | None = None):
@@ -205,22 +130,19 @@ def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, arch
 
 def _split_loader(run: _Run, state: _State, utts: list, archive: FeatureArchive | None) -> tuple[Any, int] | None:
     """The length curriculum (training.split_hours): the loader of the training utterances cut
-    into pieces, for the first round(split_hours / hours of the training set) epochs (at least
-    one); None when there are no such epochs left or no utterance is long enough to split. The
-    pieces' features come from their audio (an archive holds whole utterances)."""
+    into pieces, and for how many epochs (asr.curriculum.split_epochs); None when there are no
+    such epochs left or no utterance is long enough to split. The pieces' features come from their
+    audio (an archive holds whole utterances)."""
     tc = run.config.training
-    if not tc.split_hours:
-        return None
-    hours = sum(u.duration for u in utts) / 3600
-    epochs = max(1, round(tc.split_hours / max(hours, 1e-9)))
+    epochs = split_epochs(utts, tc.split_hours)
     if state.epoch >= epochs:
         return None
     pieces = split_utterances(utts, tc.split_seconds)
     if len(pieces) == len(utts):
         return None
-    log.info("epochs 1-%d: the %d training utterances as %d pieces of about %g s (training.split_hours %g; "
-             "%.1f hours an epoch); whole utterances from epoch %d", epochs, len(utts), len(pieces),
-             tc.split_seconds, tc.split_hours, hours, epochs + 1)
+    log.info("epochs 1-%d: the %d training utterances as %d pieces of about %g s (training.split_hours %g); "
+             "whole utterances from epoch %d", epochs, len(utts), len(pieces), tc.split_seconds, tc.split_hours,
+             epochs + 1)
     return _loader(run, pieces, training=True, archive=archive), epochs
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from asr.curriculum import MARGIN, split_utterance, split_utterances
+from asr.curriculum import MARGIN, split_epochs, split_utterance, split_utterances
 from asr.manifest import Utterance
 
 TEXT = "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG AND RUNS AWAY INTO THE DARK GREEN WOODS"
@@ -55,3 +55,10 @@ def test_split_utterances_keeps_the_order():
 def test_a_long_last_word_still_gets_a_piece_of_its_own():
     pieces = split_utterance(Utterance("u", "/a/u.flac", 11.0, "GOOD MORNINGSTARLIGHTS"), 5.0)
     assert [p.text for p in pieces] == ["GOOD", "MORNINGSTARLIGHTS"]
+
+
+def test_the_curriculum_lasts_about_split_hours_of_audio():
+    utts = [Utterance(f"u{i}", f"/a/{i}.flac", 36.0, TEXT) for i in range(1000)]  # 10 hours
+    assert split_epochs(utts, 0.0) == 0
+    assert split_epochs(utts, 20.0) == 2 and split_epochs(utts, 26.0) == 3
+    assert split_epochs(utts, 1.0) == 1  # at least one

@@ -326,7 +326,7 @@ def test_empty_transcripts_train(one_thread):
 
 
 def test_text_outside_the_vocabulary_maps_to_unk_and_is_reported(tmp_path, caplog):
-    from asr.trainer import _label_rate
+    from asr.train_setup import label_rate
 
     tokenizer = CharTokenizer(list(" ABCDEFGHIJKLMNOPQRSTUVWXYZ'"))
     sf.write(tmp_path / "a.wav", speechlike(1.0), 16000)
@@ -334,7 +334,7 @@ def test_text_outside_the_vocabulary_maps_to_unk_and_is_reported(tmp_path, caplo
     example = ASRDataset(utts, tokenizer, features=FeatureConfig())[0]
     assert example.tokens.tolist().count(UNK) == 5 and tokenizer.decode(example.tokens) == "HELLO"
     with caplog.at_level(logging.WARNING, logger="asr.train"):
-        _label_rate(tokenizer, utts)
+        label_rate(tokenizer, utts)
     assert "7 symbols of the training text map to unk: 'É' x2" in caplog.text and "'М' x1" in caplog.text
 
 

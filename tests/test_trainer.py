@@ -584,3 +584,22 @@ def test_the_length_curriculum_trains_on_pieces_first(tmp_path):
     assert "whole utterances from epoch 3" in out.stderr
     again = asr_train(manifest, exp, "training.epochs=3", *args)  # resumed when done: no pieces left to train
     assert again.returncode == 0 and "pieces" not in again.stderr, again.stderr[-2000:]
+
+
+def test_records_give_both_losses_per_target_token():
+    """Training and validation records normalize CTC as attention: per target token (eos included),
+    whatever the utterances' length; "loss" is their weighted sum in both."""
+    from asr.features import FeatureConfig
+    from asr.model import ModelConfig, build_model
+    from asr.train_task import ASRTask
+
+    model = build_model(ModelConfig(n_mels=8, d_model=16, ffn_dim=32, encoder_layers=1, decoder_layers=1,
+                                    conv_channels=4, ctc_weight=0.3), vocab_size=10)
+    task = ASRTask(model, None, FeatureConfig(n_mels=8), 0.3, torch.device("cpu"))
+    # valid sums: attention 40, CTC 120 (summed), 30 correct, over 40 tokens of 4 utterances
+    valid = task.valid_metrics([40.0, 120.0, 30.0, 40.0, 4.0])
+    assert valid == pytest.approx({"loss": 0.3 * 3.0 + 0.7 * 1.0, "att_loss": 1.0, "ctc_loss": 3.0, "accuracy": 0.75})
+    # train sums of 2 steps: each step's objective, attention per token, CTC per token, correct
+    train = task.summarize([20.0, 2.0, 6.0, 30.0], [40.0, 4.0], 2)
+    assert train == pytest.approx({"loss": 0.3 * 3.0 + 0.7 * 1.0, "att_loss": 1.0, "ctc_loss": 3.0, "accuracy": 0.75,
+                                   "objective": 10.0})
