@@ -49,9 +49,12 @@ def split_utterance(utt: Utterance, piece_seconds: float, margin: float = MARGIN
         a, b = bounds[k], bounds[k + 1]
         lo = max(0.0, file_seconds * cum[a] / total - margin * speed)
         hi = min(file_seconds, file_seconds * cum[b] / total + margin * speed)
+        # the last piece ends where the utterance does: its own end, or the file's (a manifest's
+        # duration may be a little off the file's length, which a segment's end may not pass)
+        end = utt.end if k == len(bounds) - 2 else round(start + hi, 4)
         out.append(dataclasses.replace(
             utt, id=f"{utt.id}@{k}", text=" ".join(words[a:b]), start=round(start + lo, 4),
-            end=round(start + hi, 4), duration=round(hi - lo, 4) / speed))
+            end=end, duration=round(hi - lo, 4) / speed))
     return out
 
 

@@ -16,8 +16,9 @@ def test_a_long_utterance_becomes_pieces_in_proportion_to_its_characters():
     assert [p.id for p in pieces] == ["u1@0", "u1@1", "u1@2", "u1@3"]
     assert " ".join(p.text for p in pieces) == TEXT  # every word once, in order
     assert all(p.audio == utt.audio and p.text for p in pieces)
-    assert pieces[0].start == 0.0 and pieces[-1].end == 20.0
-    for p in pieces:
+    assert pieces[0].start == 0.0 and pieces[-1].end is None  # to the file's end, as the utterance
+    assert pieces[-1].duration == pytest.approx(20.0 - pieces[-1].start, abs=1e-3)
+    for p in pieces[:-1]:
         assert p.duration == pytest.approx(p.end - p.start, abs=1e-3)
         assert 3.0 < p.duration < 7.5
     total = len(TEXT) + 1
@@ -62,3 +63,17 @@ def test_the_curriculum_lasts_about_split_hours_of_audio():
     assert split_epochs(utts, 0.0) == 0
     assert split_epochs(utts, 20.0) == 2 and split_epochs(utts, 26.0) == 3
     assert split_epochs(utts, 1.0) == 1  # at least one
+
+
+def test_the_last_piece_reads_when_the_file_is_a_little_shorter_than_the_manifest_says(tmp_path):
+    import numpy as np
+    import soundfile as sf
+
+    from asr.audio import load_audio
+    path = tmp_path / "u.wav"
+    sf.write(path, np.zeros(int(16000 * 11.95), dtype=np.float32), 16000)  # 50 ms short of its duration
+    pieces = split_utterance(Utterance("u", str(path), 12.0, TEXT), 5.0)
+    assert len(pieces) == 2
+    for p in pieces:
+        wave = load_audio(p.audio, start=p.start or 0.0, end=p.end)
+        assert abs(wave.numel() / 16000 - p.duration) < 0.1
