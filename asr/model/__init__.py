@@ -1,4 +1,4 @@
-"""The network: conv2d subsampling, transformer encoder, cached transformer decoder, CTC head.
+"""The network: conv2d subsampling, transformer or conformer encoder, cached transformer decoder, CTC head.
 
 Network math only: no I/O, no decoding policy, nothing imported from the rest of `asr` but the
 token ids of the leaf `asr.tokens`.
@@ -15,18 +15,21 @@ from asr.model.asr_model import (
     ctc_feasible,
 )
 from asr.model.attention import MultiHeadAttention, key_mask
+from asr.model.conformer import ConformerEncoder, RelPositionAttention
 from asr.model.decoder import DecoderCache, ReorderPlan, TransformerDecoder
 from asr.model.encoder import TransformerEncoder, sinusoidal_positions
 from asr.model.subsampling import Conv2dSubsampling, conv_output_length
 
 __all__ = [
     "ASRModel",
+    "ConformerEncoder",
     "Conv2dSubsampling",
     "DecoderCache",
     "ModelConfig",
     "ModelOutput",
     "ReorderPlan",
     "MultiHeadAttention",
+    "RelPositionAttention",
     "TransformerDecoder",
     "TransformerEncoder",
     "build_model",

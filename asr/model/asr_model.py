@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asr.model.attention import MultiHeadAttention
+from asr.model.conformer import ConformerEncoder
 from asr.model.decoder import TransformerDecoder
 from asr.model.encoder import TransformerEncoder
 from asr.model.subsampling import RATES, conv_output_length
@@ -24,6 +25,7 @@ __all__ = [
     "ctc_feasible", "smoothed_cross_entropy",
 ]
 
+ENCODERS = {"transformer": TransformerEncoder, "conformer": ConformerEncoder}
 CTC_MARGIN = 1.25  # headroom of the encoder frame rate over the mean token rate (see check_ctc_feasible)
 
 
@@ -33,17 +35,20 @@ class ModelConfig:
     (`dataclasses.asdict`). Defaults: the ESPnet / WeNet LibriSpeech-100h transformer baseline."""
 
     vocab_size: int = 0  # V incl. blank, unk and sos/eos; 0 = not set yet: build_model takes the tokenizer's
+    encoder: Literal["transformer", "conformer"] = "transformer"  # model files without the key: transformer
     n_mels: int = 80  # input feature dimension
     subsampling: int = 4  # time reduction of the conv front end: 4, 6 or 8
     conv_channels: int = 256  # channels of the subsampling convs (independent of d_model)
     d_model: int = 256
     n_heads: int = 4
-    ffn_dim: int = 2048
+    ffn_dim: int = 2048  # the encoder's feed-forward width (each of a conformer block's two), and the decoder's
+    decoder_ffn_dim: int = 0  # > 0: the decoder's feed-forward width instead of ffn_dim
     encoder_layers: int = 12
     decoder_layers: int = 6
     dropout: float = 0.1  # residual, position-wise feed-forward and input (after positions) dropout
     attention_dropout: float = 0.0  # on attention weights
-    conv_kernel: int = 0  # > 0: a Conformer convolution block (this odd kernel) in every encoder layer
+    conv_kernel: int = 0  # the conformer's convolution kernel (odd, > 0; ESPnet: 31); a transformer with
+    # conv_kernel > 0 gets a convolution block of this kernel in every layer
     ctc_weight: float = 0.3  # loss = ctc_weight * CTC + (1 - ctc_weight) * attention
     lsm_weight: float = 0.1  # label smoothing e of the attention loss
     tie_embeddings: bool = False  # share the decoder's embedding and output projection matrix
@@ -66,8 +71,12 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "lsm_weight"):
             _require(self, name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
         _require(self, "ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]")
-        _require(self, "conv_kernel", self.conv_kernel == 0 or (self.conv_kernel > 0 and self.conv_kernel % 2 == 1),
-                 "must be 0 (no convolution block) or odd")
+        _require(self, "encoder", self.encoder in ENCODERS, f"must be one of {', '.join(map(repr, ENCODERS))}")
+        _require(self, "decoder_ffn_dim", self.decoder_ffn_dim >= 0, "must be 0 (= ffn_dim) or positive")
+        odd = self.conv_kernel > 0 and self.conv_kernel % 2 == 1
+        if self.encoder == "conformer":
+            _require(self, "conv_kernel", odd, "must be positive and odd for a conformer encoder (ESPnet uses 31)")
+        _require(self, "conv_kernel", self.conv_kernel == 0 or odd, "must be 0 (no convolution block) or odd")
         _require(self, "tokens_per_second", self.tokens_per_second >= 0.0, "must be 0 (unknown) or positive")
         _require(self, "frame_shift_ms", self.frame_shift_ms > 0.0, "must be positive")
 
@@ -142,33 +151,36 @@ def smoothed_cross_entropy(log_probs: torch.Tensor, targets: torch.Tensor, smoot
 
 
 class ASRModel(nn.Module):
-    """Transformer encoder, attention decoder and CTC head (a Linear on the encoder output)."""
+    """Transformer or conformer encoder (`config.encoder`), attention decoder and CTC head (a Linear
+    on the encoder output)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.vocab_size == 0:
             raise ValueError("model.vocab_size is not set: build the model with build_model(config, vocab_size=...)")
         self.config = config
-        self.encoder = TransformerEncoder(
+        self.encoder = ENCODERS[config.encoder](
             n_mels=config.n_mels, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,
             n_layers=config.encoder_layers, conv_channels=config.conv_channels, subsampling=config.subsampling,
             dropout=config.dropout, attention_dropout=config.attention_dropout, conv_kernel=config.conv_kernel,
         )
         self.decoder = TransformerDecoder(
-            vocab_size=config.vocab_size, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,
-            n_layers=config.decoder_layers, dropout=config.dropout, attention_dropout=config.attention_dropout,
-            tie_embeddings=config.tie_embeddings,
+            vocab_size=config.vocab_size, d_model=config.d_model, n_heads=config.n_heads,
+            ffn_dim=config.decoder_ffn_dim or config.ffn_dim, n_layers=config.decoder_layers, dropout=config.dropout,
+            attention_dropout=config.attention_dropout, tie_embeddings=config.tie_embeddings,
         )
         self.ctc = nn.Linear(config.d_model, config.vocab_size)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Xavier-uniform matrices (attention q, k, v each on its own), zero biases, LayerNorm (1, 0),
-        embedding N(0, 1/d) so that the sqrt(d)-scaled embedding has unit variance."""
+        embedding N(0, 1/d) so that the sqrt(d)-scaled embedding has unit variance; the conformer's
+        relative-position biases u, v xavier-uniform (RelPositionAttention.reset_parameters)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, MultiHeadAttention):
                 module.reset_parameters()
             elif isinstance(module, nn.LayerNorm):

@@ -14,7 +14,9 @@ memory-efficient, then the math fallback; on the CPU one flash-style kernel take
   cannot take an arbitrary mask, so memory-efficient (or cuDNN where it accepts the mask) runs;
   a batch without padding would need no mask, but finding that out costs a host sync, so the
   mask is always passed. Beam search folds the N hypotheses of an utterance into N query
-  positions over the utterance's keys (`attend`), so the keys are never copied per hypothesis.
+  positions over the utterance's keys (`attend`), so the keys are never copied per hypothesis;
+- conformer self-attention (asr.model.conformer): relative positions make an additive float bias
+  (B, H, T, T) with the key padding folded in -> memory-efficient on CUDA (flash takes no bias).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class MultiHeadAttention(nn.Module):
         self.in_weight = nn.Parameter(torch.empty(3 * d_model, d_model))  # rows: q, k, v
         self.in_bias = nn.Parameter(torch.empty(3 * d_model))
         self.out_proj = nn.Linear(d_model, d_model)
-        self.reset_parameters()
+        MultiHeadAttention.reset_parameters(self)  # this class's own: a subclass adds parameters after
 
     def reset_parameters(self) -> None:
         """Xavier-uniform on each of the q, k, v and output matrices (as if separate), zero biases."""

@@ -27,12 +27,14 @@ def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward: Linear(d, ffn) -> ReLU -> dropout -> Linear(ffn, d)."""
+    """Position-wise feed-forward: Linear(d, ffn) -> activation (ReLU; the conformer's SiLU = Swish) ->
+    dropout -> Linear(ffn, d)."""
 
-    def __init__(self, *, d_model: int, ffn_dim: int, dropout: float) -> None:
+    def __init__(self, *, d_model: int, ffn_dim: int, dropout: float,
+                 activation: type[nn.Module] = nn.ReLU) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(d_model, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model)
+            nn.Linear(d_model, ffn_dim), activation(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,11 +42,17 @@ class FeedForward(nn.Module):
 
 
 class ConvModule(nn.Module):
-    """The convolution block of a Conformer layer, with LayerNorm where Conformer has BatchNorm
-    (so that an utterance's output does not depend on its batch):
+    """The convolution block of a Conformer layer, with LayerNorm where Conformer has BatchNorm:
     pointwise (d -> 2d) -> GLU -> depthwise conv over time (kernel k, same length) -> LayerNorm ->
     SiLU -> pointwise (d -> d). Padding frames are zeroed before the depthwise conv, so a valid
-    frame sees the same zeros beyond the utterance's end alone and inside a padded batch."""
+    frame sees the same zeros beyond the utterance's end alone and inside a padded batch.
+
+    Why LayerNorm: BatchNorm's training statistics are taken over every frame of the batch, padding
+    included, so in training mode an utterance's output depends on its neighbours and on how much
+    padding the batch has (and eval mode uses running averages of those batch statistics).
+    LayerNorm normalizes each frame by itself: the same output alone and inside any batch, in
+    training and in evaluation. Same parameter count as BatchNorm (a scale and a shift per channel).
+    The depthwise kernel keeps torch's default initialization (kaiming-uniform over its k taps)."""
 
     def __init__(self, *, d_model: int, kernel: int) -> None:
         super().__init__()
