@@ -30,8 +30,9 @@ from asr.config import from_dict
 from asr.decoding import DecodingOptions, DecodingTask
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
 from asr.lexicon import Lexicon
-from asr.lm import NgramLM
+from asr.lm import LMError, NgramLM
 from asr.model import ASRModel, ModelConfig
+from asr.neural_lm import NeuralLM, is_neural_lm, load_neural_lm
 from asr.search import Hypothesis
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
 
@@ -154,7 +155,7 @@ class Recognizer:
         self.options = options or DecodingOptions()
         self.search_threads = search_threads
         self._lexicons: dict[str, tuple[tuple[int, ...] | None, Lexicon]] = {}  # path: (file stamp, compiled)
-        self._lms: dict[str, tuple[tuple[int, ...] | None, NgramLM]] = {}  # path: (file stamp, model)
+        self._lms: dict[str, tuple[tuple[int, ...] | None, NgramLM | NeuralLM]] = {}  # path: (file stamp, model)
 
     def transcribe(
         self,
@@ -177,8 +178,9 @@ class Recognizer:
         (numpy or torch, (T,) or (T, C)), or a list of them. `raw` reads every path as headerless
         PCM of that format. mode / beam_size / ctc_weight / length_bonus / lexicon (a word list:
         beam search writes only its words; asr.lexicon) / lm, lm_weight (an ARPA word n-gram model
-        rescoring the beam; asr.lm) / lm_fusion (the LM inside the search instead; asr.lm.WordLMScorer)
-        / lm_word_bonus (added per word with the LM) override this recognizer's DecodingOptions.
+        rescoring the beam, asr.lm; or a neural LM file fused into the search, asr.neural_lm) /
+        lm_fusion (the n-gram LM inside the search instead; asr.lm.WordLMScorer) / lm_word_bonus
+        (added per word with an n-gram LM) override this recognizer's DecodingOptions.
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
         `batch_size` at a time.
         An input that cannot be read gives a Result with `error` set; the others go on. An error
@@ -232,10 +234,19 @@ class Recognizer:
         read or used."""
         return _cached(self._lexicons, path, lambda key: Lexicon.from_file(key, self.tokenizer).to(self.device))
 
-    def language_model(self, path: str | os.PathLike) -> NgramLM:
-        """The ARPA model at `path`: read once per path, and again when the file has changed;
-        LMError when it cannot be read."""
-        return _cached(self._lms, path, NgramLM.load)
+    def language_model(self, path: str | os.PathLike) -> NgramLM | NeuralLM:
+        """The LM at `path`, an ARPA word n-gram model or a neural LM file (asr.neural_lm, told apart
+        by the content): read once per path, and again when the file has changed; LMError when it
+        cannot be read."""
+        return _cached(self._lms, path, self._load_lm)
+
+    def _load_lm(self, path: str) -> NgramLM | NeuralLM:
+        if not is_neural_lm(path):
+            return NgramLM.load(path)
+        try:
+            return load_neural_lm(path, self.device)
+        except CheckpointError as e:
+            raise LMError(str(e)) from None
 
     def text(self, tokens: Iterable[int]) -> str:
         return self.tokenizer.decode(list(tokens))

@@ -7,8 +7,10 @@ A model file (DESIGN.md) is a plain dict
      "tokenizer": {...}, "state_dict": {...}}
 
 holding only dicts, lists, strings, numbers, bytes and tensors, so that it loads with
-`torch.load(..., weights_only=True)`, the only way we ever load one. Training checkpoints use
-the same rules with format "asr-checkpoint".
+`torch.load(..., weights_only=True)`, the only way we ever load one. A language model file
+(asr.neural_lm) is the same kind of dict of format "asr-lm" (model config, tokenizer, weights).
+Training checkpoints use the same rules with format "asr-checkpoint": the model file they hold
+(its format in "model_format"), plus the optimizer, scaler, random and loop states.
 
 A training run keeps its checkpoints in EXP/checkpoints/ckpt-<step>.pt with an index,
 EXP/checkpoints/index.json = [{"file", "step", "epoch", "valid_loss"}], oldest first: the newest
@@ -34,12 +36,15 @@ from asr.fileio import atomic_open, remove_stale_temporaries
 
 MODEL_FORMAT = "asr-model"
 CHECKPOINT_FORMAT = "asr-checkpoint"
+LM_FORMAT = "asr-lm"  # a language model file (asr.neural_lm)
+# what a checkpoint adds to the model file it holds
+_TRAINING_KEYS = ("format", "version", "model_format", "optimizer", "scaler", "state", "valid_loss", "rng")
 VERSION = 1
 
-__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "VERSION", "CheckpointError", "TrainingError", "save_atomic",
-           "load_file", "model_file", "average_state_dicts", "average", "checkpoint_dir", "clean_experiment",
-           "check_or_save_config", "read_index", "resume", "resume_hint", "rng_state", "save_checkpoint",
-           "set_rng_state", "Resumed"]
+__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "LM_FORMAT", "VERSION", "CheckpointError", "TrainingError",
+           "save_atomic", "load_file", "model_file", "average_state_dicts", "average", "checkpoint_dir",
+           "clean_experiment", "check_or_save_config", "read_index", "resume", "resume_hint", "rng_state",
+           "save_checkpoint", "set_rng_state", "Resumed"]
 
 log = logging.getLogger("asr.train")
 
@@ -271,7 +276,7 @@ def save_checkpoint(exp: Path, envelope: Mapping[str, Any], *, optimizer: torch.
     written before are intact."""
     obj = dict(envelope)
     obj.update(
-        format=CHECKPOINT_FORMAT, version=VERSION,
+        format=CHECKPOINT_FORMAT, version=VERSION, model_format=envelope["format"],
         optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
         state=dict(state),
         valid_loss=valid_loss,
@@ -386,10 +391,12 @@ def average(exp_dir: str | Path, *, by: str = "best", num: int = 5, out: str | P
     if len(chosen) < num:
         log.warning("only %d checkpoint(s) available (asked for %d): averaging those", len(chosen), num)
     ckpts = [load_file(folder / e["file"], CHECKPOINT_FORMAT) for e in chosen]
-    # every checkpoint of one EXP holds the same model, frontend and tokenizer configs
-    configs = {key: ckpts[0][key] for key in ("model", "frontend", "tokenizer")}
-    obj = model_file(**configs, state_dict=average_state_dicts([c["state_dict"] for c in ckpts]))
-    out = Path(out) if out else Path(exp_dir) / "model_avg.pt"
+    # every checkpoint of one EXP holds the same model file around its weights (an ASR model's, or
+    # a language model's: LM_FORMAT)
+    obj = {key: value for key, value in ckpts[0].items() if key not in _TRAINING_KEYS}
+    obj.update(format=ckpts[0].get("model_format", MODEL_FORMAT), version=VERSION,
+               state_dict=average_state_dicts([c["state_dict"] for c in ckpts]))
+    out = Path(out) if out else Path(exp_dir) / ("lm_avg.pt" if obj["format"] == LM_FORMAT else "model_avg.pt")
     save_atomic(obj, out)
     names = ", ".join(f"{e['file']} (valid loss {e['valid_loss']:.4f})" if e["valid_loss"] is not None
                       else e["file"] for e in chosen)

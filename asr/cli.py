@@ -79,6 +79,13 @@ def cmd_lm(args: argparse.Namespace) -> int:
 
     if not args.manifest and not args.text:
         raise ValueError("give --manifest TRAIN.jsonl or --text FILE (or both)")
+    if args.kind == "transformer":
+        return _train_neural_lm(args)
+    unused = [flag for flag, value in (("--exp-dir", args.exp_dir), ("--tokenizer", args.tokenizer),
+                                       ("--config", args.config), ("--valid", args.valid),
+                                       ("key=value", args.overrides)) if value]
+    if unused or not args.out:
+        raise ValueError(f"--kind ngram takes --out LM.arpa{f', not {unused[0]}' if unused else ''}")
     texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
     for path in args.text:
         texts += [normalize_text(line) for _, line in numbered_lines(path)]
@@ -88,6 +95,22 @@ def cmd_lm(args: argparse.Namespace) -> int:
     print(f"{args.out}: {args.order}-gram LM (interpolated Kneser-Ney) of {lm.vocab_size} words, "
           f"{' / '.join(str(len(p)) for p in lm.probs)} n-grams, from {len(sentences)} sentences "
           f"(for 'asr decode decoding.lm={args.out}')")
+    return 0
+
+
+def _train_neural_lm(args: argparse.Namespace) -> int:
+    from asr.neural_lm import load_lm_config, train_lm
+
+    missing = [flag for flag, value in (("--exp-dir", args.exp_dir), ("--tokenizer", args.tokenizer),
+                                        ("--valid", args.valid)) if not value]
+    if missing or args.out:
+        raise ValueError(f"--kind transformer needs {', '.join(missing)}" if missing else
+                         "--kind transformer writes into --exp-dir, not --out")
+    config = load_lm_config(args.config, args.overrides)
+    path = train_lm(config, [*args.manifest, *args.text], args.valid, args.exp_dir, tokenizer=args.tokenizer)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{path}: the final LM; 'asr average --exp-dir {args.exp_dir}' averages the best checkpoints into "
+              f"{Path(args.exp_dir) / 'lm_avg.pt'} (for 'asr decode --lm')")
     return 0
 
 
@@ -143,8 +166,11 @@ def cmd_average(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     from asr.decode import decode_manifest, format_wer, load_decoding_config
 
+    if args.lm_weight is not None and not (args.lm or load_decoding_config(args.config, args.overrides).lm):
+        raise ValueError("--lm-weight needs --lm LM")
     config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
-                                  ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device)
+                                  ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device,
+                                  lm=args.lm, lm_weight=args.lm_weight)
     wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads))
     if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 wrote them
         print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt")
@@ -169,7 +195,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     given = [flag for flag, used in (("--lm-weight", args.lm_weight is not None), ("--lm-fusion", args.lm_fusion),
                                      ("--lm-word-bonus", args.lm_word_bonus is not None)) if used]
     if given and not load_decoding_config(args.config, overrides, **flags).lm:
-        raise ValueError(f"{given[0]} needs --lm LM.arpa")
+        raise ValueError(f"{given[0]} needs --lm LM")
     config = load_decoding_config(args.config, overrides, **flags, lm_weight=args.lm_weight,
                                   lm_fusion=args.lm_fusion or None, lm_word_bonus=args.lm_word_bonus)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
@@ -274,12 +300,24 @@ def _add_data_commands(sub: argparse._SubParsersAction) -> None:
                    "(for 'asr decode decoding.lexicon=WORDS.txt')")
     p.set_defaults(func=cmd_tokenizer)
 
-    p = sub.add_parser("lm", help="train a word n-gram language model (ARPA) on transcripts or text")
+    p = sub.add_parser("lm", help="train a language model on transcripts or text: a word n-gram model (ARPA) or a "
+                       "token-level transformer (torchrun for several processes)")
+    p.add_argument("--kind", choices=["ngram", "transformer"], default="ngram",
+                   help="ngram (default): interpolated Kneser-Ney into --out; transformer: the ASR model's tokens, "
+                   "trained into --exp-dir like 'asr train' (resumable; 'asr average' makes lm_avg.pt)")
     p.add_argument("--manifest", action="append", default=[], metavar="TRAIN.jsonl",
                    help="the transcripts of a manifest (repeatable)")
-    p.add_argument("--text", action="append", default=[], metavar="FILE", help="one sentence per line (repeatable)")
-    p.add_argument("--order", type=int, default=3, metavar="N", help="n-gram order (default 3)")
-    p.add_argument("--out", required=True, metavar="LM.arpa", help="the ARPA file (.gz: gzip-compressed)")
+    p.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="one sentence per line, .gz allowed (repeatable)")
+    p.add_argument("--order", type=int, default=3, metavar="N", help="ngram: n-gram order (default 3)")
+    p.add_argument("--out", metavar="LM.arpa", help="ngram: the ARPA file (.gz: gzip-compressed)")
+    p.add_argument("--exp-dir", metavar="EXP", help="transformer: the experiment folder")
+    p.add_argument("--tokenizer", metavar="DIR|MODEL.pt",
+                   help="transformer: the ASR model's tokenizer (its folder, or the model file)")
+    p.add_argument("--config", metavar="CONF.yaml", help="transformer: conf/lm/*.yaml (model, data, training)")
+    p.add_argument("--valid", action="append", default=[], metavar="FILE",
+                   help="transformer: validation text, a text file or a manifest (repeatable)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="transformer: config overrides")
     p.set_defaults(func=cmd_lm)
 
     p = sub.add_parser("cmvn", help="global mean/variance statistics of the fbank features")
@@ -315,6 +353,10 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_average)
 
 
+LM_HELP = ("a word n-gram LM ('asr lm', ARPA: rescores the beam) or a neural LM ('asr lm --kind transformer': "
+           "fused into the search)")
+
+
 def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     """decode, transcribe, wer."""
     p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)",
@@ -329,6 +371,8 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--ctc-weight", type=float, metavar="W")
     p.add_argument("--batch-size", type=int, metavar="B")
+    p.add_argument("--lm", metavar="LM", help=LM_HELP)
+    p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default: decoding.lm_weight's)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available; under torchrun "
                    "each process on cuda:LOCAL_RANK)")
     p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
@@ -345,11 +389,11 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--mode", choices=MODES)
     p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
-    p.add_argument("--lm", metavar="LM.arpa", help="rescore the beam with this word n-gram model ('asr lm')")
+    p.add_argument("--lm", metavar="LM", help=LM_HELP)
     p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default: decoding.lm_weight's)")
-    p.add_argument("--lm-fusion", action="store_true", help="the LM inside the search, not rescoring")
-    p.add_argument("--lm-word-bonus", type=float, metavar="B",
-                   help="added per word with the LM, against its cost of each word (default: decoding.lm_word_bonus's)")
+    p.add_argument("--lm-fusion", action="store_true", help="the n-gram LM inside the search, not rescoring")
+    p.add_argument("--lm-word-bonus", type=float, metavar="B", help="added per word with an n-gram LM, against its "
+                   "cost of each word (default: decoding.lm_word_bonus's)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")

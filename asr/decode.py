@@ -52,6 +52,7 @@ from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, split_skip
 from asr.decoding import DecodingOptions, DecodingTask
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
 from asr.fileio import atomic_open
+from asr.lm import NgramLM
 from asr.manifest import Utterance, read_manifest
 from asr.metrics import ErrorStats, format_errors, format_summary, normalize_text, score
 from asr.sampler import greedy_batches, longest_first
@@ -189,10 +190,15 @@ def _describe(recognizer: Recognizer, config: DecodingConfig, task: DecodingTask
         print(f"decode: lexicon {config.lexicon}: {lexicon.num_words} words{unspellable}", file=sys.stderr)
     if config.lm:
         lm = recognizer.language_model(config.lm)
-        print(f"decode: LM {config.lm}: {lm.order}-gram, {lm.vocab_size} words, weight {config.lm_weight}"
-              + (f", word bonus {config.lm_word_bonus}" if config.lm_word_bonus else "")
-              + (", fused into the search" if config.lm_fusion else ""),
-              file=sys.stderr)
+        if isinstance(lm, NgramLM):
+            print(f"decode: LM {config.lm}: {lm.order}-gram, {lm.vocab_size} words, weight {config.lm_weight}"
+                  + (f", word bonus {config.lm_word_bonus}" if config.lm_word_bonus else "")
+                  + (", fused into the search" if config.lm_fusion else ""),
+                  file=sys.stderr)
+        else:
+            c = lm.config
+            print(f"decode: LM {config.lm}: transformer ({c.n_layers} layers, d_model {c.d_model}) on the model's "
+                  f"{c.vocab_size} tokens, weight {config.lm_weight}, fused into the search", file=sys.stderr)
     if task.precision != "fp32":
         print(f"decode: {task.precision} autocast on {recognizer.device}", file=sys.stderr)
 

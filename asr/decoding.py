@@ -5,11 +5,18 @@ the search), then LM rescoring of the beam when the LM is not fused. The encoder
 in the options' precision (bf16 autocast or fp32); the search's scores are summed in fp32 either way
 (the decoder's and CTC's log-probabilities are computed in fp32).
 
-    task = DecodingTask(model, tokenizer, DecodingOptions(beam_size=20), lexicon=lexicon, lm=lm)
+    task = DecodingTask(model, tokenizer, DecodingOptions(beam_size=20), lexicon=lexicon, lm=lm)  # lm: loaded
     nbest_lists = task.run([feats_1, feats_2])   # (T_i, n_mels) normalized features each
 
-Where the next pieces go: a neural LM is one more full scorer in `DecodingTask.scorers`, weighed by
-name (the search needs no change); alignments and attention weights are a step after `search`
+decoding.lm names either LM, told apart by the file's content (asr.neural_lm.is_neural_lm): an ARPA
+word n-gram model (text, or gzip) rescores the ended beam, or with lm_fusion scores each word as it
+ends (asr.lm.WordLMScorer), lm_word_bonus per word against the cost of each word; a neural LM file
+(format "asr-lm", a torch file) is always fused, token by token, as a full scorer
+(asr.neural_lm.TransformerLMScorer): lm_weight x its log-probability of every token and of eos,
+and the pre-beam ranks tokens on the decoder's and the LM's weighted scores; its per-token
+counterpart of the word bonus is decoding.length_bonus, so lm_word_bonus must stay 0 with it.
+
+Where the next pieces go: alignments and attention weights are a step after `search`
 that reads the encoder output and the chosen tokens; decoding one shard of a manifest is
 asr.decode's choice of utterances, not the task's.
 """
@@ -28,6 +35,7 @@ from asr.lexicon import Lexicon, LexiconScorer
 from asr.lm import NgramLM, WordLMScorer, rescore
 from asr.metrics import normalize_text
 from asr.model import ASRModel
+from asr.neural_lm import NeuralLM, TransformerLMScorer
 from asr.search import Hypothesis, Scorers, SearchOptions, check_fields, decode_memory
 from asr.tokenizer import Tokenizer
 
@@ -47,12 +55,14 @@ class DecodingOptions(SearchOptions):
     set these fields by name."""
 
     lexicon: str = ""  # a word list (asr.lexicon): beam search writes only its words; "" = any text
-    lm: str = ""  # an ARPA word n-gram model (asr.lm) rescoring the beam's ended hypotheses; "" = none
-    lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words)
-    lm_fusion: bool = False  # the LM scores each word inside the search as it ends (asr.lm.WordLMScorer)
-    # instead of rescoring the ended hypotheses
-    lm_word_bonus: float = 0.0  # with lm: + lm_word_bonus per word, beside lm_weight * ln P_LM(words)
-    # (each word costs -ln P of the LM, so without it the LM favours dropping words); unused without lm
+    lm: str = ""  # an ARPA word n-gram model (asr.lm) rescoring the beam's ended hypotheses, or a
+    # neural LM file (asr.neural_lm, `asr lm --kind transformer`) fused into the search; "" = none
+    lm_weight: float = 0.3  # score + lm_weight * ln P_LM(words) (a neural LM's: of the tokens and eos)
+    lm_fusion: bool = False  # the n-gram LM scores each word inside the search as it ends
+    # (asr.lm.WordLMScorer) instead of rescoring the ended hypotheses; a neural LM is always fused
+    lm_word_bonus: float = 0.0  # with an n-gram lm: + lm_word_bonus per word, beside lm_weight *
+    # ln P_LM(words) (each word costs -ln P of the LM, so without it the LM favours dropping words);
+    # unused without lm; with a neural LM it must be 0 (decoding.length_bonus is the per-token bonus)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: the encoder and the search under bf16
     # autocast; auto: bf16 on a CUDA GPU that supports it natively, fp32 elsewhere (the CPU)
 
@@ -78,34 +88,44 @@ class DecodingTask:
     "bf16", what options.precision means on the model's device (resolve_precision)."""
 
     def __init__(self, model: ASRModel, tokenizer: Tokenizer, options: DecodingOptions, *,
-                 lexicon: Lexicon | None = None, lm: NgramLM | None = None, search_threads: int | None = None) -> None:
+                 lexicon: Lexicon | None = None, lm: NgramLM | NeuralLM | None = None,
+                 search_threads: int | None = None) -> None:
         if bool(options.lexicon) != (lexicon is not None):
             raise ValueError(f"decoding.lexicon = {options.lexicon!r} and the compiled lexicon go together")
         if bool(options.lm) != (lm is not None):
             raise ValueError(f"decoding.lm = {options.lm!r} and the loaded LM go together")
+        if isinstance(lm, NeuralLM):
+            lm.check_tokenizer(tokenizer)
+            if options.lm_word_bonus:
+                raise ValueError(f"decoding.lm_word_bonus = {options.lm_word_bonus!r} applies to word n-gram LMs; "
+                                 f"{options.lm} is a neural LM (its per-token bonus is decoding.length_bonus)")
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.search_threads = search_threads
         self.device = next(model.parameters()).device
         self.precision = resolve_precision(options.precision, self.device)
-        self.rescorer = lm if lm is not None and not options.lm_fusion else None
+        self.rescorer = lm if isinstance(lm, NgramLM) and not options.lm_fusion else None
         # rescoring ranks the whole beam; the search then returns all of it
         search = {f.name: getattr(options, f.name) for f in dataclasses.fields(SearchOptions)}
         if self.rescorer:
             search["nbest"] = options.beam_size
         self.search_options = SearchOptions(**search)  # the search's fields alone: the rest is the task's
-        self.scorers = self._scorers(lexicon, lm if options.lm_fusion else None)
+        fused = lm if isinstance(lm, NeuralLM) or options.lm_fusion else None
+        self.scorers = self._scorers(lexicon, fused)
 
-    def _scorers(self, lexicon: Lexicon | None, fused: NgramLM | None) -> Scorers:
-        """What the search adds to the decoder and CTC: the lexicon's constraint, the fused LM
-        (which applies lm_weight and lm_word_bonus itself, so both weigh 1)."""
-        full, partial, weights = {}, {}, {}
+    def _scorers(self, lexicon: Lexicon | None, fused: NgramLM | NeuralLM | None) -> Scorers:
+        """What the search adds to the decoder and CTC: the lexicon's constraint, the fused LM (an
+        n-gram one applies lm_weight and lm_word_bonus itself, so it weighs 1; a neural one weighs
+        lm_weight and ranks the pre-beam with the decoder)."""
+        full, partial, weights, pre_beam = {}, {}, {}, ()
         if lexicon is not None:
             full["lexicon"], weights["lexicon"] = LexiconScorer(lexicon), 1.0
-        if fused is not None:
+        if isinstance(fused, NeuralLM):
+            full["lm"], weights["lm"], pre_beam = TransformerLMScorer(fused), self.options.lm_weight, ("lm",)
+        elif fused is not None:
             partial["lm"] = WordLMScorer.for_tokenizer(fused, self.tokenizer, weight=self.options.lm_weight,
                                                        word_bonus=self.options.lm_word_bonus)
             weights["lm"] = 1.0
-        return Scorers(full, partial, weights, ("lexicon",) if lexicon is not None else ())
+        return Scorers(full, partial, weights, ("lexicon",) if lexicon is not None else (), pre_beam)
 
     @torch.no_grad()
     def run(self, feats: Sequence[torch.Tensor]) -> list[tuple[Hypothesis, ...]]:

@@ -42,7 +42,7 @@ MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
 __all__ = [
     "MODES", "RATE_SLACK", "SEARCHES", "BeamSearch", "DecoderScorer", "Hypothesis", "Scorers", "SearchOptions",
     "attention_greedy", "beam_search", "check_fields", "ctc_greedy", "ctc_rescore", "decode_memory", "length_limits",
-    "max_lengths", "search", "search_nbest", "teacher_forced_scores",
+    "max_lengths", "search", "search_nbest", "select_cache", "teacher_forced_scores",
 ]
 
 
@@ -175,6 +175,8 @@ class Scorers:
     partial: Mapping[str, PartialScorer] = field(default_factory=dict)
     weights: Mapping[str, float] = field(default_factory=dict)
     constraints: tuple[str, ...] = ()
+    pre_beam: tuple[str, ...] = ()  # full scorers whose weighted scores join the decoder's in ranking
+    # the pre-beam's tokens (a neural LM), so that they can offer a token the decoder ranks low
 
     def __bool__(self) -> bool:
         return bool(self.full or self.partial)
@@ -195,12 +197,18 @@ class DecoderScorer:
         return self.decoder.step(last_tokens, None, None, state)  # memory is read from the cache
 
     def select_state(self, state: DecoderCache, selection: Selection) -> DecoderCache:
-        plan = ReorderPlan(rows=selection.moved, start=selection.shared, copies=selection.copies,
-                           groups=selection.moved_utterances)
-        return state.reorder(selection.rows, plan)
+        return select_cache(state, selection)
 
     def final_score(self, state: DecoderCache) -> torch.Tensor:
         return torch.zeros(state.rows, device=state.self_kv.device)  # ending is scored as the eos token
+
+
+def select_cache(cache: DecoderCache, selection: Selection) -> DecoderCache:
+    """A DecoderCache of the hypotheses `selection` keeps, moving only what it says changed (a
+    cache of the decoder's inputs, sos then the tokens: the decoder's, or a neural LM's)."""
+    plan = ReorderPlan(rows=selection.moved, start=selection.shared, copies=selection.copies,
+                       groups=selection.moved_utterances)
+    return cache.reorder(selection.rows, plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +218,11 @@ class DecoderScorer:
 class BeamSearch:
     """Label-synchronous beam search over B utterances x N hypotheses at once.
 
-    Each step: the full scorers score every token of the R hypotheses; the `pre_beam` scorer's
-    best K tokens (eos and `excluded` aside, and those a `constraints` scorer gives -inf) and eos
-    are each row's candidates; the partial scorers score those; weighted sums (weights by scorer
-    name) plus `length_bonus` per token rank the N * C candidates of each utterance. Eos candidates
+    Each step: the full scorers score every token of the R hypotheses; the best K tokens of the
+    `pre_beam` scorer (of the weighted sum of the `pre_beam` scorers, when several; eos and
+    `excluded` aside, and those a `constraints` scorer gives -inf) and eos are each row's
+    candidates; the partial scorers score those; weighted sums (weights by scorer name) plus
+    `length_bonus` per token rank the N * C candidates of each utterance. Eos candidates
     among an utterance's best N end (kept, the best N per utterance); the best N others continue,
     each in its parent's row where it can (see _stable_slots: the order of the rows of an
     utterance means nothing). An utterance leaves the batch when it has N ended hypotheses, when
@@ -223,10 +232,12 @@ class BeamSearch:
     """
 
     def __init__(self, *, full: dict[str, FullScorer], partial: dict[str, PartialScorer], weights: dict[str, float],
-                 pre_beam: str, beam_size: int, pre_beam_size: int, eos: int, excluded: tuple[int, ...] = (),
-                 length_bonus: float = 0.0, nbest: int = 1, constraints: tuple[str, ...] = ()) -> None:
+                 pre_beam: str | tuple[str, ...], beam_size: int, pre_beam_size: int, eos: int,
+                 excluded: tuple[int, ...] = (), length_bonus: float = 0.0, nbest: int = 1,
+                 constraints: tuple[str, ...] = ()) -> None:
         self.full, self.partial, self.weights, self.constraints = full, partial, weights, constraints
-        self.pre_beam, self.beam, self.pre_beam_size, self.eos = pre_beam, beam_size, pre_beam_size, eos
+        self.pre_beam = (pre_beam,) if isinstance(pre_beam, str) else tuple(pre_beam)
+        self.beam, self.pre_beam_size, self.eos = beam_size, pre_beam_size, eos
         self.excluded = (eos, *excluded)  # never in the pre-beam (eos is every row's last candidate)
         self.length_bonus, self.nbest = length_bonus, nbest
 
@@ -254,7 +265,11 @@ class BeamSearch:
         full = {}
         for name, scorer in self.full.items():
             full[name], run.states[name] = scorer.score(run.states[name], run.last)  # (R, V)
-        pre = full[self.pre_beam].index_fill(1, excluded, float("-inf"))
+        if len(self.pre_beam) == 1:
+            pre = full[self.pre_beam[0]]
+        else:
+            pre = sum(self.weights[name] * full[name] for name in self.pre_beam)
+        pre = pre.index_fill(1, excluded, float("-inf"))
         for name in self.constraints:  # 0 or -inf
             pre = pre + full[name]
         top = pre.topk(self.pre_beam_size, dim=1)  # (R, K) each
@@ -426,7 +441,7 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
     search = BeamSearch(
         full=full, partial={**partial, **scorers.partial},
         weights={"decoder": 1.0 - weight, "ctc": weight, **scorers.weights},
-        pre_beam="decoder", beam_size=options.beam_size,
+        pre_beam=("decoder", *scorers.pre_beam), beam_size=options.beam_size,
         pre_beam_size=min(pre_beam, model.config.vocab_size - 1 - len(excluded)), eos=eos, excluded=excluded,
         length_bonus=options.length_bonus, nbest=options.nbest, constraints=scorers.constraints,
     )

@@ -17,7 +17,7 @@ from asr.loader import DataConfig
 from asr.model import ModelConfig
 
 __all__ = ["BatchPlan", "ExperimentConfig", "TokenizerConfig", "TrainingConfig", "batch_plan", "learning_rate",
-           "load_experiment_config", "total_steps"]
+           "load_experiment_config", "plan_batches", "total_steps"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class BatchPlan:
 
     world_size: int
     accum: int  # micro-batches per process and step
-    micro_batch_seconds: float  # padded seconds of one micro-batch at most
+    micro_batch_seconds: float  # padded seconds of one micro-batch at most (a language model's: padded tokens)
 
     @property
     def group(self) -> int:
@@ -123,14 +123,20 @@ def batch_plan(config: ExperimentConfig, world_size: int) -> BatchPlan:
     so every such W makes the same steps. Otherwise each process accumulates ceil(G / W) micro-batches
     under a lower cap, so the step keeps its size (but is cut differently). Without a global batch:
     accum_grad micro-batches per process (the step grows with W)."""
-    tc, cap = config.training, config.data.max_batch_seconds
-    if not tc.global_batch_seconds:
-        return BatchPlan(world_size, tc.accum_grad, cap)
-    micro = round(tc.global_batch_seconds / cap)
+    tc = config.training
+    return plan_batches(tc.global_batch_seconds, config.data.max_batch_seconds, tc.accum_grad, world_size)
+
+
+def plan_batches(global_batch: float, cap: float, accum_grad: int, world_size: int) -> BatchPlan:
+    """batch_plan in any unit (padded seconds of audio, padded tokens of text): a global batch of
+    `global_batch` (0: none, each process accumulates `accum_grad`) in micro-batches of `cap`."""
+    if not global_batch:
+        return BatchPlan(world_size, accum_grad, cap)
+    micro = round(global_batch / cap)
     if micro % world_size == 0:
         return BatchPlan(world_size, micro // world_size, cap)
     accum = math.ceil(micro / world_size)
-    return BatchPlan(world_size, accum, tc.global_batch_seconds / (world_size * accum))
+    return BatchPlan(world_size, accum, global_batch / (world_size * accum))
 
 
 def total_steps(tc: TrainingConfig, steps_per_epoch: int) -> int:

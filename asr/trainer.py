@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,9 +192,12 @@ class _Run:
     scaler: torch.amp.GradScaler
     autocast_dtype: torch.dtype | None
     tokenizer: Tokenizer
-    cmvn_stats: CMVNStats
-    cmvn: GlobalCMVN
+    cmvn_stats: CMVNStats | None  # None: a task without audio (a language model)
+    cmvn: GlobalCMVN | None
     plan: BatchPlan
+    envelope: Callable[[_Run], dict[str, Any]] | None = None  # the model file of the current weights;
+    # None: the ASR model file (DESIGN.md)
+    final_name: str = "model_last.pt"  # EXP/<final_name>: the model file `fit` ends with
 
     def autocast(self) -> AbstractContextManager:
         """The run's precision for a forward (bf16 / fp16 autocast, or nothing for fp32)."""
@@ -223,10 +227,20 @@ class _State:
 
 def _build(config: ExperimentConfig, tokenizer: Tokenizer, stats: CMVNStats, label_rate: float, exp: Path,
            ctx: Context) -> _Run:
-    tc = config.training
-    torch.manual_seed(tc.seed)
+    torch.manual_seed(config.training.seed)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size))
-    model = build_model(config.model, tokens_per_second=label_rate).to(ctx.device)
+    model = build_model(config.model, tokens_per_second=label_rate)
+    return make_run(config, model, tokenizer, exp, ctx, _plan(config, ctx), cmvn_stats=stats)
+
+
+def make_run(config: Any, model: torch.nn.Module, tokenizer: Tokenizer, exp: Path, ctx: Context, plan: BatchPlan, *,
+             cmvn_stats: CMVNStats | None = None, envelope: Callable[[_Run], dict[str, Any]] | None = None,
+             final_name: str = "model_last.pt") -> _Run:
+    """The run of `model` (built after torch.manual_seed(training.seed)): moved to the device,
+    wrapped (compile, DDP), with its optimizer, gradient scaler and precision. `config` has a
+    `training` section (TrainingConfig); `envelope` and `final_name` as in _Run."""
+    tc = config.training
+    model = model.to(ctx.device)
     if ctx.rank > 0:  # the same initial weights (DDP copies rank 0's anyway), dropout of its own
         _seed_rank(tc.seed, ctx.rank)
     wrapped = model
@@ -246,8 +260,9 @@ def _build(config: ExperimentConfig, tokenizer: Tokenizer, stats: CMVNStats, lab
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, vocabulary %d, device %s, precision %s, %d process(es)",
              n_params / 1e6, tokenizer.vocab_size, ctx.device, dtype or "fp32", ctx.world_size)
-    plan = _plan(config, ctx)
-    return _Run(config, exp, ctx, model, wrapped, optimizer, scaler, dtype, tokenizer, stats, GlobalCMVN(stats), plan)
+    cmvn = GlobalCMVN(cmvn_stats) if cmvn_stats is not None else None
+    return _Run(config, exp, ctx, model, wrapped, optimizer, scaler, dtype, tokenizer, cmvn_stats, cmvn, plan,
+                envelope, final_name)
 
 
 def _seed_rank(seed: int, rank: int, *keys: int) -> None:
@@ -316,7 +331,10 @@ def _check_position(run: _Run, state: _State) -> None:
 
 
 def _model_envelope(run: _Run) -> dict[str, Any]:
-    """The DESIGN.md model file of the current weights (a checkpoint adds training state)."""
+    """The model file of the current weights (a checkpoint adds training state): the run's own
+    envelope, or DESIGN.md's ASR model file."""
+    if run.envelope is not None:
+        return run.envelope(run)
     frontend = {"features": to_dict(run.config.data.features), "cmvn": run.cmvn_stats.to_dict()}
     return model_file(model=to_dict(run.config.model), frontend=frontend, tokenizer=run.tokenizer.to_dict(),
                       state_dict=run.model.state_dict())
@@ -335,8 +353,8 @@ def _save_checkpoint(run: _Run, state: _State, *, valid_loss: float | None) -> N
 
 
 def _finish(run: _Run, logger: TrainLog) -> Path:
-    """Write EXP/model_last.pt and the curves (rank 0)."""
-    path = run.exp / "model_last.pt"
+    """Write EXP/model_last.pt (the run's final_name) and the curves (rank 0)."""
+    path = run.exp / run.final_name
     if run.ctx.main:
         save_atomic(_model_envelope(run), path)
         plot_curves(logger.path, run.exp / "curves.png")
@@ -579,4 +597,4 @@ def compute_validation_loss(run: _Run, task: Task, loader) -> dict[str, float]:
     return result
 
 
-__all__ = ["TrainingError", "compute_validation_loss", "fit", "train", "train_one_epoch", "train_step"]
+__all__ = ["TrainingError", "compute_validation_loss", "fit", "make_run", "train", "train_one_epoch", "train_step"]

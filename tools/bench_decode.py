@@ -5,6 +5,7 @@ output position. Prints a table and writes JSON.
     python tools/bench_decode.py --threads 1     # conf/synth.yaml and librispeech_100h.yaml -> exp/bench_decode.json
     python tools/bench_decode.py --models synth --utts 16 --alone 4 --out /tmp/bench.json
     python tools/bench_decode.py --threads 1 --baseline HEAD --modes beam10,beam10+ctc0.3
+    python tools/bench_decode.py --threads 1 --modes beam10+ctc0.3,beam10+ctc0.3+lm0.3   # the LM's cost
 
 The models have random weights and never emit eos, so every hypothesis runs to its maximum
 length, set to a realistic output rate (`--tokens-per-second`: 14 characters per second for the
@@ -15,6 +16,11 @@ best of `--repeat` runs (after a warm-up run of each mode), and every step time 
 positions p - 4 .. p + 4: on a shared machine single runs are noisy. Besides wall time, the
 process's CPU time is kept: with one thread (`--threads 1`) it is what the work costs, whatever
 else the machine runs.
+
+An LM mode (beam10+ctc0.3+lm0.3) fuses the model's transformer LM (conf/lm/: synth.yaml for
+synth, librispeech_transformer.yaml for librispeech_100h; random weights) into that beam search
+at weight 0.3: every hypothesis still runs to its maximum length, so the difference is what
+scoring the LM costs.
 
 `--baseline GIT_REF` times the `asr` package of that revision too (extracted with `git archive`,
 git state untouched), side by side: two child processes, one importing each tree, time each
@@ -51,14 +57,16 @@ except ImportError:
     FEW_ROWS, intra_op_threads = 0, None
 
 
-def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, options: SearchOptions):
+def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, options: SearchOptions,
+                  scorers=None):
     """asr.search.decode_memory under the commands' thread policy: a CPU search of at most FEW_ROWS
     rows (utterances x beam) on one thread."""
     rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
+    extra = (scorers,) if scorers is not None else ()
     if intra_op_threads is None or rows > FEW_ROWS or memory.device.type != "cpu":
-        return _decode_memory(model, memory, memory_lens, options)
+        return _decode_memory(model, memory, memory_lens, options, *extra)
     with intra_op_threads(1):
-        return _decode_memory(model, memory, memory_lens, options)
+        return _decode_memory(model, memory, memory_lens, options, *extra)
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +75,7 @@ MODELS = {  # name: (vocabulary, output tokens per second of audio)
     "synth": (31, 14.0),  # characters
     "librispeech_100h": (302, 7.5),  # 300 sentencepiece pieces
 }
+LMS = {"synth": "synth.yaml", "librispeech_100h": "librispeech_transformer.yaml"}  # conf/lm/: each model's LM
 MODES = {
     "greedy": SearchOptions(mode="greedy"),
     "beam5": SearchOptions(mode="attention", beam_size=5, ctc_weight=0.0),
@@ -75,6 +84,9 @@ MODES = {
     "beam10+ctc0.3": SearchOptions(mode="attention", beam_size=10, ctc_weight=0.3),
     "ctc_greedy": SearchOptions(mode="ctc_greedy"),
     "ctc_rescore10": SearchOptions(mode="ctc_rescore", beam_size=10, ctc_weight=0.3),
+}
+LM_MODES = {  # beam search with the model's transformer LM (LMS, random weights) fused at this weight
+    "beam10+ctc0.3+lm0.3": ("beam10+ctc0.3", 0.3),
 }
 POSITIONS = (10, 50, 100, 200)
 MODE_KEYS = ["model", "mode", "batch", "utts", "audio_s", "seconds", "cpu_s", "utts_per_s", "rtf", "cpu_rtf",
@@ -127,14 +139,31 @@ class Workload:
                             args.repeat) for i in range(args.alone)]
         self.audio_batch, self.audio_alone = sum(seconds), sum(seconds[: args.alone])
 
+    def search(self, mode: str):
+        """(SearchOptions, scorers or None) of `mode` (MODES or LM_MODES)."""
+        if mode not in LM_MODES:
+            return dataclasses.replace(MODES[mode], max_len_ratio=self.ratio), None
+        from asr.model import TransformerLM
+        from asr.neural_lm import NeuralLM, TransformerLMScorer, load_lm_config
+        from asr.search import Scorers
+
+        base, weight = LM_MODES[mode]
+        config = load_lm_config(str(CONF / "lm" / LMS[self.name]), [])
+        torch.manual_seed(0)
+        lm = TransformerLM(dataclasses.replace(config.model, vocab_size=self.model.config.vocab_size, dropout=0.0))
+        scorer = TransformerLMScorer(NeuralLM(lm.eval().to(self.device), {}, "random"))
+        return (dataclasses.replace(MODES[base], max_len_ratio=self.ratio),
+                Scorers({"lm": scorer}, {}, {"lm": weight}, (), ("lm",)))
+
     @torch.no_grad()
     def rows(self, mode: str) -> list[dict]:
         """The batch row and the one-at-a-time row of `mode`: encoder + search times."""
         args, device, model = self.args, self.device, self.model
-        options = dataclasses.replace(MODES[mode], max_len_ratio=self.ratio)
-        decode_memory(model, *self.alone[0][2], options)  # warm up
-        wall, cpu, found = timed(lambda: decode_memory(model, *self.enc_batch[2], options), device, args.repeat)
-        each = [timed(lambda m=m: decode_memory(model, m[0], m[1], options), device, args.repeat)[:2]
+        options, scorers = self.search(mode)
+        decode_memory(model, *self.alone[0][2], options, scorers)  # warm up
+        wall, cpu, found = timed(lambda: decode_memory(model, *self.enc_batch[2], options, scorers), device,
+                                 args.repeat)
+        each = [timed(lambda m=m: decode_memory(model, m[0], m[1], options, scorers), device, args.repeat)[:2]
                 for _, _, m in self.alone]
         alone_wall = sum(t for t, _, _ in self.alone) + sum(w for w, _ in each)
         alone_cpu = sum(c for _, c, _ in self.alone) + sum(c for _, c in each)
@@ -291,7 +320,8 @@ def side_by_side(args: argparse.Namespace) -> list[dict]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated: " + ", ".join([*MODES, *LM_MODES]) + " (default: all but the LM's)")
     parser.add_argument("--utts", type=int, default=32, help="utterances of the batched runs (default 32)")
     parser.add_argument("--alone", type=int, default=8, help="of them decoded one at a time (default 8)")
     parser.add_argument("--seconds", type=float, nargs=2, default=(5.0, 8.0), metavar=("MIN", "MAX"))

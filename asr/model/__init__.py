@@ -1,4 +1,5 @@
-"""The network: conv2d subsampling, transformer or conformer encoder, cached transformer decoder, CTC head.
+"""The network: conv2d subsampling, transformer or conformer encoder, cached transformer decoder, CTC head;
+and the token-level transformer LM.
 
 Network math only: no I/O, no decoding policy, nothing imported from the rest of `asr` but the
 token ids of the leaf `asr.tokens`.
@@ -18,6 +19,7 @@ from asr.model.attention import MultiHeadAttention, key_mask
 from asr.model.conformer import ConformerEncoder, RelPositionAttention
 from asr.model.decoder import DecoderCache, ReorderPlan, TransformerDecoder
 from asr.model.encoder import TransformerEncoder, sinusoidal_positions
+from asr.model.lm import LMConfig, TransformerLM
 from asr.model.subsampling import Conv2dSubsampling, conv_output_length
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "ConformerEncoder",
     "Conv2dSubsampling",
     "DecoderCache",
+    "LMConfig",
     "ModelConfig",
     "ModelOutput",
     "ReorderPlan",
@@ -32,6 +35,7 @@ __all__ = [
     "RelPositionAttention",
     "TransformerDecoder",
     "TransformerEncoder",
+    "TransformerLM",
     "build_model",
     "check_ctc_feasible",
     "conv_output_length",
