@@ -284,8 +284,9 @@ def test_run_sh_stage0_then_skipped(tmp_path):
     """The recipe's stage 0 wiring (--mirror, --parts, --data-dir, --exp-dir) and its done marker."""
     mirror = folder_mirror(tmp_path / "mirror", {f"{p}.tar.gz": make_archive(p)
                                                  for p in ("dev-clean", "train-clean-100")})
-    cmd = ["bash", str(RECIPE / "run.sh"), "--stop-stage", "0", "--mirror", str(mirror), "--data-dir",
-           str(tmp_path / "data"), "--exp-dir", str(tmp_path / "exp"), "--parts", "dev-clean,train-clean-100"]
+    cmd = ["bash", str(RECIPE / "run.sh"), "--config", str(ROOT / "conf" / "tiny.yaml"), "--stop-stage", "0",
+           "--mirror", str(mirror), "--data-dir", str(tmp_path / "data"), "--exp-dir", str(tmp_path / "exp"),
+           "--parts", "dev-clean,train-clean-100"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]

@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# LibriSpeech: download, prepare, train a joint CTC/attention transformer on 100 h or 960 h with
-# torchrun (one GPU, several, or several machines), average, decode the dev and test sets, score.
+# LibriSpeech: download, prepare, train a joint CTC/attention conformer on 100 h or 960 h with
+# torchrun (one GPU, several, or several machines), average, decode the dev and test sets, score;
+# then train a transformer LM on the LibriSpeech LM corpus and decode again with it fused.
 #
 #   bash recipes/librispeech/run.sh [--size 100|960] [--stage N] [--stop-stage M] [--config FILE]
 #        [--name NAME] [--data-dir DIR] [--download-dir DIR] [--exp-dir DIR] [--mirror URL|FOLDER]
 #        [--parts p1,p2,...] [--no-speed-perturb] [--nnodes N --node-rank R --master-addr HOST]
 #        [--master-port P] [--nproc-per-node N] [--decode-config FILE] [--beam-size N]
-#        [--lm LM.arpa[.gz] [--lm-weight W]] [--average-num N] [section.key=value ...]
+#        [--average-num N] [--lm LM.arpa[.gz]] [--lm-weight W] [--lm-config FILE] [--lm-exp-dir DIR]
+#        [--lm-mirror URL|FOLDER] [--lm-average-num N] [--lm-override section.key=value ...]
+#        [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 download, verify (md5) and unpack the archives   1 manifests (speed perturbation 0.9/1.1)
 #   2 tokenizer (the config's tokenizer section)       3 CMVN statistics
 #   4 train (torchrun)   5 average the best checkpoints   6 decode dev/test (torchrun)   7 RESULTS.md
-# Defaults: --size 100 (conf/librispeech_100h.yaml; 960: conf/librispeech_960h.yaml), data in
-# recipes/librispeech/data, experiment in recipes/librispeech/exp/NAME, beam 20 with CTC weight 0.3.
-# --lm: stages 6-7 rescore the beam with a word n-gram LM in the ARPA format (asr.lm; e.g.
-# openslr.org/resources/11's 3-gram.pruned.1e-7.arpa.gz) into decode_..._lm<name>_w<weight>/ and
-# RESULTS_lm.md; a run without --lm (RESULTS.md) keeps its own folders.
+#   8 LM text: download the LM corpus (openslr 11, 1.4 GB) + the training transcripts
+#   9 train the transformer LM on the tokenizer of stage 2 (torchrun)   10 average its checkpoints
+#   11 decode dev/test with the LM fused   12 its table into RESULTS_lm.md   (--stop-stage 7: no LM)
+# Defaults: --size 100 (conf/librispeech_100h_conformer.yaml; 960: conf/librispeech_960h_conformer.yaml),
+# data in recipes/librispeech/data, experiment in recipes/librispeech/exp/NAME, beam 20 with CTC
+# weight 0.3; the LM: conf/lm/librispeech_transformer.yaml into lm_<config>_<data>_<tokenizer>/
+# beside the experiment.
+# Two kinds of LM. Stages 11-12: the transformer LM of stages 9-10 scores every step of the beam
+# search on the ASR model's BPE tokens (shallow fusion, --lm-weight default 0.6) into
+# decode_..._lm_<...>_w<weight>/. --lm LM.arpa: stages 6-7 rescore each utterance's ended
+# hypotheses with that word n-gram LM (asr.lm; e.g. openslr 11's 3-gram.pruned.1e-7.arpa.gz;
+# --lm-weight default 0.3) into decode_..._lm<name>_w<weight>/. Both add their table to
+# RESULTS_lm.md; RESULTS.md and the decoding folders without an LM stay as they are.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -25,7 +36,9 @@ abspath() { case $1 in /*|http://*|https://*) echo "$1";; *) echo "$PWD/$1";; es
 stage=0; stop_stage=100; force_from=1000; size=100; config=""; name=""; data=$here/data; downloads=""
 exp=""; mirror=https://www.openslr.org/resources/12; parts=""; speeds=0.9,1.1
 nnodes=1; node_rank=0; master_addr=""; master_port=29500; nproc=""
-decode_config=$root/conf/decode/default.yaml; beam=20; average_num=10; overrides=(); lm=""; lm_weight=0.3
+decode_config=$root/conf/decode/default.yaml; beam=20; average_num=10; overrides=(); lm=""; lm_weight=""
+lm_config=$root/conf/lm/librispeech_transformer.yaml; lm_exp=""; lm_mirror=https://www.openslr.org/resources/11
+lm_average_num=10; lm_overrides=()
 while [ $# -gt 0 ]; do
   case $1 in
     --stage) stage=$2; force_from=$2; shift 2;;
@@ -49,7 +62,12 @@ while [ $# -gt 0 ]; do
     --lm) lm=$(abspath "$2"); shift 2;;
     --lm-weight) lm_weight=$2; shift 2;;
     --average-num) average_num=$2; shift 2;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    --lm-config) lm_config=$(abspath "$2"); shift 2;;
+    --lm-exp-dir) lm_exp=$(abspath "$2"); shift 2;;
+    --lm-mirror) lm_mirror=$(abspath "$2"); shift 2;;
+    --lm-average-num) lm_average_num=$2; shift 2;;
+    --lm-override) lm_overrides+=("$2"); shift 2;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2;;
   esac
@@ -61,7 +79,7 @@ case $size in
   *) echo "run.sh: --size must be 100 or 960, not '$size'" >&2; exit 2;;
 esac
 [ "$nnodes" -gt 1 ] && [ -z "$master_addr" ] && { echo "run.sh: --nnodes $nnodes needs --master-addr" >&2; exit 2; }
-config=${config:-$root/conf/librispeech_${size}h.yaml}
+config=${config:-$root/conf/librispeech_${size}h_conformer.yaml}
 [ -f "$config" ] || { echo "run.sh: no config file $config" >&2; exit 2; }
 parts=${parts:-$default_parts}
 pick() { tr , '\n' <<< "$parts" | grep -E "^($1)" | paste -sd, - || true; }  # the selected parts matching $1
@@ -84,16 +102,23 @@ mf=$data/$dtag
 nosp_tag=_nosp; [ -n "$speeds" ] && nosp_tag=""
 name=${name:-$(basename "$config" .yaml)$nosp_tag}
 exp=${exp:-$here/exp/$name}
-dname=decode_$(basename "$decode_config" .yaml)${beam:+_beam$beam}
+# the LM depends on its config and on the tokenizer (data tag + lang): experiments on it share it
+lm_exp=${lm_exp:-$(dirname "$exp")/lm_$(basename "$lm_config" .yaml)_${dtag}_$lang}
+dbase=decode_$(basename "$decode_config" .yaml)${beam:+_beam$beam}
+dname=$dbase; ngram_weight=${lm_weight:-0.3}; nlm_weight=${lm_weight:-0.6}
 if [ -n "$lm" ]; then
   [ -f "$lm" ] || { echo "run.sh: no LM file $lm" >&2; exit 2; }
   lm_name=$(basename "$lm"); lm_name=${lm_name%.gz}; lm_name=${lm_name%.arpa}
-  dname=${dname}_lm${lm_name}_w$lm_weight
+  dname=${dbase}_lm${lm_name}_w$ngram_weight
 fi
+nlm_dname=${dbase}_$(basename "$lm_exp")_w$nlm_weight
+want() {  # stage $1 is asked for (on the other machines of --nnodes: the trainings, 4 and 9, only)
+  [ "$1" -ge "$stage" ] && [ "$1" -le "$stop_stage" ] && { [ "$node_rank" -eq 0 ] || [ "$1" = 4 ] || [ "$1" = 9 ]; }
+}
+if want 9 && [ ! -f "$lm_config" ]; then echo "run.sh: no LM config file $lm_config" >&2; exit 2; fi
 mkdir -p "$exp" "$mf"
 log=$exp/run.log
 say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
-want() { [ "$1" -ge "$stage" ] && [ "$1" -le "$stop_stage" ]; }
 run_stage() {  # run_stage N description DONE_MARKER command...
   local n=$1 what=$2 marker=$3; shift 3
   want "$n" || return 0
@@ -125,37 +150,51 @@ tokenizer() {
   local size_args=(); [ "$vocab" = - ] || size_args=(--vocab-size "$vocab")
   asr tokenizer --manifest "$mf/train.jsonl" --kind "$kind" "${size_args[@]}" --out "$mf/$lang"
 }
-train() {  # one process per visible GPU (or one on a CPU) on each of --nnodes machines
-  local n=$nproc launch
+torchrun_asr() {  # asr "$@" under torchrun: one process per visible GPU (or one on a CPU) on each of --nnodes machines
+  local n=$nproc where
   [ -n "$n" ] || n=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))')
   if [ "$nnodes" -gt 1 ]; then
-    launch=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$master_addr" --master-port "$master_port")
+    where=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$master_addr" --master-port "$master_port")
   else
-    launch=(--standalone --nnodes 1)
+    where=(--standalone --nnodes 1)
   fi
   echo "torchrun: $nnodes node(s) x $n process(es)"
-  torchrun "${launch[@]}" --nproc-per-node "$n" -m asr.cli train --config "$config" \
-    --train "$mf/train.jsonl" --valid "$mf/dev.jsonl" --exp-dir "$exp" --tokenizer "$mf/$lang" \
-    --cmvn "$mf/cmvn_mel$n_mels.json" "${overrides[@]}"
+  torchrun "${where[@]}" --nproc-per-node "$n" -m asr.cli "$@"
 }
-decode() {  # one process per visible GPU (torchrun deals them the batches), one on a CPU
-  local set n launch=(asr) beam_args=(); [ -n "$beam" ] && beam_args=(--beam-size "$beam")
-  if [ -n "$lm" ]; then beam_args+=(decoding.lm="$lm" decoding.lm_weight="$lm_weight"); fi
+train() {
+  torchrun_asr train --config "$config" --train "$mf/train.jsonl" --valid "$mf/dev.jsonl" --exp-dir "$exp" \
+    --tokenizer "$mf/$lang" --cmvn "$mf/cmvn_mel$n_mels.json" "${overrides[@]}"
+}
+decode() {  # decode DNAME [LM WEIGHT]: one process per visible GPU (torchrun deals them the batches), one on a CPU
+  local out=$1 set n launch=(asr) args=(); [ -n "$beam" ] && args=(--beam-size "$beam")
+  if [ $# -gt 1 ]; then args+=(decoding.lm="$2" decoding.lm_weight="$3"); fi
   n=$(python -c 'import torch; print(torch.cuda.device_count())')
   [ "$n" -gt 0 ] && launch=(torchrun --standalone --nnodes 1 --nproc-per-node "$n" -m asr.cli)
   echo "decode: $([ "$n" -gt 0 ] && echo "torchrun, $n GPU process(es)" || echo "one process on the CPU")"
   for set in ${test_sets//,/ }; do
-    "${launch[@]}" decode --model "$exp/model_avg.pt" --manifest "$mf/$set.jsonl" --out-dir "$exp/$dname/$set" \
-      --config "$decode_config" "${beam_args[@]}"
+    "${launch[@]}" decode --model "$exp/model_avg.pt" --manifest "$mf/$set.jsonl" --out-dir "$exp/$out/$set" \
+      --config "$decode_config" "${args[@]}"
   done
 }
+lm_text() {  # the LM corpus, and the training transcripts (each utterance once: no speed-perturbed copies)
+  python local/download_lm.py --download-dir "$lm_corpus_dir" --mirror "$lm_mirror"
+  python local/transcripts.py "$mf/train.jsonl" "$mf/lm_train.txt"
+}
+train_lm() {  # on the LM corpus + the training transcripts, validated on the dev sets' transcripts
+  torchrun_asr lm --kind transformer --text "$lm_corpus_dir/librispeech-lm-norm.txt.gz" --text "$mf/lm_train.txt" \
+    --valid "$mf/dev.jsonl" --tokenizer "$mf/$lang" --config "$lm_config" --exp-dir "$lm_exp" "${lm_overrides[@]}"
+}
 
-if [ "$node_rank" -gt 0 ]; then  # the other machines only join the training; node 0 does the rest
-  [ -f "$mf/.done-stage3-mel$n_mels" ] || { echo "run.sh: no prepared data in $mf: run stages 0-3 first" \
-    "(--stop-stage 3) on one machine" >&2; exit 1; }
-  stage=4; stop_stage=4
+if [ "$node_rank" -gt 0 ]; then  # the other machines only join the trainings (want); node 0 does the rest
+  if want 4 && [ ! -f "$mf/.done-stage3-mel$n_mels" ]; then
+    echo "run.sh: no prepared data in $mf: run stages 0-3 first (--stop-stage 3) on one machine" >&2; exit 1
+  fi
+  if want 9 && [ ! -f "$mf/.done-stage8" ]; then
+    echo "run.sh: no LM text for $mf: run stage 8 first (--stage 8 --stop-stage 8) on one machine" >&2; exit 1
+  fi
 fi
 dl_args=(); [ -n "$downloads" ] && dl_args=(--download-dir "$downloads")
+lm_corpus_dir=${downloads:-$data/downloads}
 run_stage 0 "download and unpack $parts" "$mf/.done-stage0" \
   python local/download.py --parts "$parts" --data-dir "$data" --mirror "$mirror" "${dl_args[@]}"
 run_stage 1 "manifests${speeds:+ (speed perturbation $speeds on $train_parts)}" "$mf/.done-stage1" prepare
@@ -165,8 +204,20 @@ run_stage 3 "CMVN statistics" "$mf/.done-stage3-mel$n_mels" \
 run_stage 4 "train $(basename "$config") into $exp" "$exp/.done-stage4" train
 run_stage 5 "average the $average_num best checkpoints" "$exp/.done-stage5" \
   asr average --exp-dir "$exp" --by best --num "$average_num"
-run_stage 6 "decode $test_sets ($dname)" "$exp/.done-stage6-$dname" decode
+if [ -n "$lm" ]; then ngram=("$lm" "$ngram_weight"); else ngram=(); fi
+run_stage 6 "decode $test_sets ($dname)" "$exp/.done-stage6-$dname" decode "$dname" "${ngram[@]}"
 run_stage 7 "results table" "$exp/.done-stage7-$dname" \
   python local/results.py --exp-dir "$exp" --decode-name "$dname" --sets "$test_sets" \
-  --title "LibriSpeech $dtag: $(basename "$config")${lm:+, LM $(basename "$lm") (weight $lm_weight)}" \
-  --out "$exp/RESULTS${lm:+_lm}.md"
+  --title "LibriSpeech $dtag: $(basename "$config")${lm:+, LM $(basename "$lm") (weight $ngram_weight)}" \
+  --out "$exp/RESULTS${lm:+_lm}.md" ${lm:+--merge}
+# the LM stages
+run_stage 8 "LM text (librispeech-lm-norm.txt.gz, transcripts)" "$mf/.done-stage8" lm_text
+run_stage 9 "train $(basename "$lm_config") on $lang into $lm_exp" "$lm_exp/.done-stage9" train_lm
+run_stage 10 "average the LM's $lm_average_num best checkpoints" "$lm_exp/.done-stage10" \
+  asr average --exp-dir "$lm_exp" --by best --num "$lm_average_num" --out "$lm_exp/lm_avg.pt"
+run_stage 11 "decode $test_sets with the LM fused ($nlm_dname)" "$exp/.done-stage11-$nlm_dname" \
+  decode "$nlm_dname" "$lm_exp/lm_avg.pt" "$nlm_weight"
+run_stage 12 "results table with the LM" "$exp/.done-stage12-$nlm_dname" \
+  python local/results.py --exp-dir "$exp" --decode-name "$nlm_dname" --sets "$test_sets" \
+  --title "LibriSpeech $dtag: $(basename "$config"), transformer LM $(basename "$lm_exp") (weight $nlm_weight)" \
+  --out "$exp/RESULTS_lm.md" --merge

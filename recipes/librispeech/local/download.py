@@ -15,6 +15,8 @@ A corrupt archive (md5 mismatch, or a gzip/tar stream that breaks while unpackin
 fetched again; a transfer that fails is resumed; after --attempts tries in all the part fails with
 one line naming the archive and the last reason. Unpacking is safe: a member outside LibriSpeech/
 (an absolute path, a '..' component, a link leaving the folder, a device file) is refused.
+
+The mirrors, the transfer and `obtain` (fetch, verify, retry) serve local/download_lm.py too.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ OFFICIAL_MD5 = {
     "train-other-500": "d1a0fd59409feb2c614ce4d30c387708",
 }
 PARTS = tuple(OFFICIAL_MD5)
+OFFICIAL_SUMS = {f"{part}.tar.gz": (md5, "the official md5sum.txt") for part, md5 in OFFICIAL_MD5.items()}
 CHUNK = 1 << 20  # bytes per read
 TIMEOUT = 60.0  # seconds without data before a transfer counts as failed
 
@@ -68,9 +71,11 @@ class CorruptArchive(DownloadError):
 
 
 class Mirror:
-    """Where the archives come from; `fetch` writes <dest>.part and renames it to <dest>."""
+    """Where the archives come from; `fetch` writes <dest>.part and renames it to <dest>.
+    `known` holds the md5 sums to use when the mirror has no md5sum.txt: {name: (md5, source)}."""
 
     location: str
+    known: dict[str, tuple[str, str]]
 
     def fetch(self, name: str, dest: Path) -> None:
         raise NotImplementedError
@@ -81,12 +86,12 @@ class Mirror:
 
     @cached_property
     def md5sums(self) -> dict[str, tuple[str, str]]:
-        """{archive name: (md5, where the sum comes from)}: the mirror's, else the official ones."""
-        sums = {f"{part}.tar.gz": (md5, "the official md5sum.txt") for part, md5 in OFFICIAL_MD5.items()}
+        """{archive name: (md5, where the sum comes from)}: the mirror's, else the known ones."""
+        sums = dict(self.known)
         try:
             text = self.read_md5sum_txt()
         except DownloadError as e:
-            print(f"warning: {e}; using the official md5 sums", flush=True)
+            print(f"warning: {e}; using the md5 sums known beforehand", flush=True)
             text = None
         if text is None:
             return sums
@@ -99,8 +104,8 @@ class Mirror:
 
 
 class HttpMirror(Mirror):
-    def __init__(self, url: str, timeout: float = TIMEOUT):
-        self.location, self.timeout = url.rstrip("/"), timeout
+    def __init__(self, url: str, known: dict[str, tuple[str, str]], timeout: float = TIMEOUT):
+        self.location, self.known, self.timeout = url.rstrip("/"), known, timeout
 
     def read_md5sum_txt(self) -> str | None:
         url = f"{self.location}/md5sum.txt"
@@ -112,7 +117,7 @@ class HttpMirror(Mirror):
                 return None
             raise DownloadError(f"{url}: HTTP {e.code} {e.reason}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise DownloadError(f"{url}: {_reason(e)}") from None
+            raise DownloadError(f"{url}: {one_line(e)}") from None
 
     def fetch(self, name: str, dest: Path) -> None:
         url, part = f"{self.location}/{name}", _part_file(dest)
@@ -128,14 +133,14 @@ class HttpMirror(Mirror):
                 raise DownloadError(f"{url}: HTTP {e.code} {e.reason}") from None
             raise TransferError(f"{url}: HTTP {e.code} {e.reason}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise TransferError(f"{url}: {_reason(e)}") from None
+            raise TransferError(f"{url}: {one_line(e)}") from None
         with resp:
             if resp.status != 206 or not _range_starts_at(resp.headers.get("Content-Range", ""), offset):
                 offset = 0  # the server sent the whole file
             length = resp.headers.get("Content-Length")
             total = offset + int(length) if length and length.isdigit() else None
-            print(f"{url}: {'resuming at ' + _size(offset) if offset else 'downloading'}"
-                  f"{' of ' + _size(total) if total else ''}", flush=True)
+            print(f"{url}: {'resuming at ' + human_size(offset) if offset else 'downloading'}"
+                  f"{' of ' + human_size(total) if total else ''}", flush=True)
             _check_space(part, (total or 0) - offset)
             with part.open("ab" if offset else "wb") as out:
                 _copy(resp.read, out, offset, total, url)
@@ -145,8 +150,8 @@ class HttpMirror(Mirror):
 
 
 class FolderMirror(Mirror):
-    def __init__(self, folder: Path):
-        self.folder, self.location = folder, str(folder)
+    def __init__(self, folder: Path, known: dict[str, tuple[str, str]]):
+        self.folder, self.location, self.known = folder, str(folder), known
 
     def read_md5sum_txt(self) -> str | None:
         path = self.folder / "md5sum.txt"
@@ -159,22 +164,27 @@ class FolderMirror(Mirror):
         total = src.stat().st_size
         offset = part.stat().st_size if part.exists() else 0
         offset = offset if offset <= total else 0
-        print(f"{src}: {'resuming at ' + _size(offset) if offset else 'copying'} of {_size(total)}", flush=True)
+        print(f"{src}: {'resuming at ' + human_size(offset) if offset else 'copying'} of {human_size(total)}",
+              flush=True)
         _check_space(part, total - offset)
         with src.open("rb") as f, part.open("ab" if offset else "wb") as out:
             f.seek(offset)
             _copy(f.read, out, offset, total, str(src))
+        if part.stat().st_size != total:  # the source changed or the disk lost bytes meanwhile
+            raise TransferError(f"{src}: copied {part.stat().st_size} of {total} bytes")
         part.rename(dest)
 
 
-def open_mirror(location: str) -> Mirror:
-    """An HTTP(S) URL base or an existing local folder (a one-line error otherwise)."""
+def open_mirror(location: str, known: dict[str, tuple[str, str]] | None = None) -> Mirror:
+    """An HTTP(S) URL base or an existing local folder (a one-line error otherwise); `known`:
+    the md5 sums used where the mirror has no md5sum.txt (default: the official ones of the parts)."""
+    known = OFFICIAL_SUMS if known is None else known
     if location.startswith(("http://", "https://")):
-        return HttpMirror(location)
+        return HttpMirror(location, known)
     folder = Path(location.removeprefix("file://")).expanduser()
     if not folder.is_dir():
         raise DownloadError(f"--mirror {location}: neither an http(s):// URL nor an existing folder")
-    return FolderMirror(folder)
+    return FolderMirror(folder, known)
 
 
 def _part_file(dest: Path) -> Path:
@@ -196,15 +206,15 @@ def _copy(read: Callable[[int], bytes], out: BinaryIO, done: int, total: int | N
             chunk = read(CHUNK)
         except (OSError, http.client.HTTPException) as e:
             out.flush()
-            raise TransferError(f"{label}: {_reason(e)} after {_size(done)}") from None
+            raise TransferError(f"{label}: {one_line(e)} after {human_size(done)}") from None
         if not chunk:
             break
         out.write(chunk)
         done += len(chunk)
         if done >= next_report:
             rate = (done - start) / max(time.monotonic() - t0, 1e-3)
-            print(f"  {label}: {_size(done)}{f' ({100 * done // total} %)' if total else ''}, "
-                  f"{_size(rate)}/s", flush=True)
+            print(f"  {label}: {human_size(done)}{f' ({100 * done // total} %)' if total else ''}, "
+                  f"{human_size(rate)}/s", flush=True)
             next_report = _next_tenth(done, total)
 
 
@@ -216,10 +226,10 @@ def _next_tenth(done: int, total: int | None) -> int:
 def _check_space(path: Path, need: int) -> None:
     free = shutil.disk_usage(path.parent).free
     if need > free:
-        raise DownloadError(f"{path.parent}: {_size(need)} needed, only {_size(free)} free")
+        raise DownloadError(f"{path.parent}: {human_size(need)} needed, only {human_size(free)} free")
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -227,7 +237,8 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
-def _reason(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """The reason of an exception on one line (its first)."""
     reason = getattr(e, "reason", None) or e
     return str(reason).strip().splitlines()[0] if str(reason).strip() else type(e).__name__
 
@@ -244,10 +255,14 @@ def md5_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_md5(archive: Path, want: tuple[str, str]) -> None:
+def check_md5(archive: Path, want: tuple[str, str] | None) -> str:
+    """The file's md5, checked against `want` = (md5, its source) when one is known."""
     got = md5_of(archive)
-    if got != want[0]:
+    if want is None:
+        print(f"{archive}: no md5 known for it (md5 {got}), not checked", flush=True)
+    elif got != want[0]:
         raise CorruptArchive(f"{archive}: md5 {got}, expected {want[0]} ({want[1]})")
+    return got
 
 
 def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
@@ -274,30 +289,28 @@ def unpack(archive: Path, part: str, data_dir: Path) -> None:
     except DownloadError as e:
         raise DownloadError(f"{archive}: {e}") from None
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise CorruptArchive(f"{archive}: broken archive ({_reason(e)})") from None
+        raise CorruptArchive(f"{archive}: broken archive ({one_line(e)})") from None
     if not target.is_dir():
         raise DownloadError(f"{archive}: holds no LibriSpeech/{part}/ folder")
 
 
 # ---------------------------------------------------------------------------------------------
-# one part, from wherever it is to unpacked
+# one file from wherever it is to verified; one part from there to unpacked
 
 
-def install(part: str, mirror: Mirror, download_dir: Path, data_dir: Path, attempts: int, wait: float) -> None:
-    """Fetch (resuming), verify and unpack one part; a done marker makes a second call free."""
-    marker = data_dir / "LibriSpeech" / f".done-{part}"
-    if marker.exists():
-        print(f"{part}: installed before ({marker.parent / part}), skipped", flush=True)
-        return
+def obtain(name: str, mirror: Mirror, download_dir: Path, attempts: int, wait: float,
+           verify: Callable[[Path], None]) -> Path:
+    """download_dir/name, fetched from the mirror unless it is there (resuming its .part), then
+    verify(path)ed. A broken transfer (TransferError) is resumed after `wait` seconds; a corrupt
+    file (verify raises CorruptArchive) is deleted and fetched again; after `attempts` tries in all,
+    a DownloadError naming the file and the last reason."""
     download_dir.mkdir(parents=True, exist_ok=True)
-    archive = download_dir / f"{part}.tar.gz"
-    last = ""
+    path, last = download_dir / name, ""
     for attempt in range(1, attempts + 1):
         try:
-            if not archive.exists():
-                mirror.fetch(archive.name, archive)
-            check_md5(archive, mirror.md5sums[archive.name])
-            unpack(archive, part, data_dir)
+            if not path.exists():
+                mirror.fetch(name, path)
+            verify(path)
         except TransferError as e:
             last = str(e)
             print(f"attempt {attempt}/{attempts}: {e}", flush=True)
@@ -307,12 +320,26 @@ def install(part: str, mirror: Mirror, download_dir: Path, data_dir: Path, attem
         except CorruptArchive as e:
             last = str(e)
             print(f"attempt {attempt}/{attempts}: {e}; deleting it", flush=True)
-            archive.unlink()
+            path.unlink(missing_ok=True)
             continue
-        marker.touch()
-        print(f"{part}: installed in {marker.parent / part}", flush=True)
+        return path
+    raise DownloadError(f"{name}: giving up after {attempts} attempts; last: {last}")
+
+
+def install(part: str, mirror: Mirror, download_dir: Path, data_dir: Path, attempts: int, wait: float) -> None:
+    """Fetch (resuming), verify and unpack one part; a done marker makes a second call free."""
+    marker = data_dir / "LibriSpeech" / f".done-{part}"
+    if marker.exists():
+        print(f"{part}: installed before ({marker.parent / part}), skipped", flush=True)
         return
-    raise DownloadError(f"{archive.name}: giving up after {attempts} attempts; last: {last}")
+
+    def verify(archive: Path) -> None:
+        check_md5(archive, mirror.md5sums.get(archive.name))
+        unpack(archive, part, data_dir)
+
+    obtain(f"{part}.tar.gz", mirror, download_dir, attempts, wait, verify)
+    marker.touch()
+    print(f"{part}: installed in {marker.parent / part}", flush=True)
 
 
 def parse_parts(text: str) -> list[str]:
@@ -340,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             install(part, mirror, args.download_dir or args.data_dir / "downloads", args.data_dir,
                     max(args.attempts, 1), args.retry_wait)
     except (DownloadError, OSError) as e:
-        print(f"download.py: error: {_reason(e)}", file=sys.stderr)
+        print(f"download.py: error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("download.py: interrupted (a rerun resumes)", file=sys.stderr)
