@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,18 +277,15 @@ def tokenize_text(paths: Sequence[str], tokenizer: Tokenizer, folder: Path, *,
     too_long = 0
     chunk: list[int] = []
     with atomic_open(folder / "tokens.bin", "wb") as out:
-        for path in paths:
-            for text in read_sentences(path):
-                ids = tokenizer.encode(text)
+        for texts in _chunks((text for path in paths for text in read_sentences(path)), 10_000):
+            for ids in tokenizer.encode_batch(texts):
                 if len(ids) > max_tokens:
                     too_long += 1
                     continue
                 lengths.append(len(ids))
                 chunk.extend(ids)
-                if len(chunk) >= 1 << 20:
-                    out.write(np.asarray(chunk, dtype=dtype).tobytes())
-                    chunk = []
-        out.write(np.asarray(chunk, dtype=dtype).tobytes())
+            out.write(np.asarray(chunk, dtype=dtype).tobytes())
+            chunk = []
     with atomic_open(folder / "lengths.npy", "wb") as f:
         np.save(f, np.asarray(lengths, dtype=np.int64))
     info = {"sentences": len(lengths), "tokens": int(sum(lengths)), "too_long": too_long,
@@ -295,6 +293,17 @@ def tokenize_text(paths: Sequence[str], tokenizer: Tokenizer, folder: Path, *,
     with atomic_open(folder / "info.json") as f:
         json.dump(info, f, indent=1)
     return info
+
+
+def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def open_tokenized(folder: Path) -> TokenizedText:
@@ -481,11 +490,16 @@ def train_lm(config: LMExperimentConfig, texts: Sequence[str], valid_texts: Sequ
 
 def _experiment_text(folder: Path, paths: Sequence[str], tokenizer: Tokenizer, config: LMExperimentConfig,
                      ctx) -> TokenizedText:
-    """The sentences of `paths` tokenized into `folder` by rank 0 (once; the other ranks wait)."""
-    if ctx.main and not (folder / "info.json").is_file():
+    """The sentences of `paths` tokenized into `folder` by rank 0 (once). The other ranks wait for
+    its info.json on the file system, not in a collective: tokenizing a large corpus takes longer
+    than a process group's timeout (torchrun stops them if rank 0 fails)."""
+    done = folder / "info.json"
+    if ctx.main and not done.is_file():
         info = tokenize_text(paths, tokenizer, folder, max_tokens=config.data.max_sentence_tokens)
         log.info("%s: %d sentences, %d tokens%s", folder, info["sentences"], info["tokens"],
                  f"; {info['too_long']} longer than data.max_sentence_tokens left out" if info["too_long"] else "")
+    while not done.is_file():
+        time.sleep(2.0)
     ctx.barrier()
     text = open_tokenized(folder)
     if not len(text):

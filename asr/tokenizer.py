@@ -56,6 +56,10 @@ class Tokenizer:
         """Ids in [FIRST_TOKEN, sos) for normalized `text`, UNK for unknown symbols."""
         raise NotImplementedError
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each of `texts` (sentencepiece: in one call, on all its threads)."""
+        return [self.encode(text) for text in texts]
+
     def count_unknown(self, texts: Iterable[str]) -> Counter[str]:
         """Character -> how many times `encode` maps it to UNK over `texts` (normalized);
         empty when every character is known. Run it in the calling process (e.g. once on the
@@ -159,6 +163,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return [i + 1 for i in self._sp.encode(text)]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[i + 1 for i in ids] for ids in self._sp.encode(texts)]
 
     def count_unknown(self, texts: Iterable[str]) -> Counter[str]:
         """The characters under sentencepiece's <unk> pieces (a run of unknown characters is one

@@ -320,3 +320,18 @@ def test_lm_training_resumes_bit_exact(tmp_path):
     assert want["state_dict"].keys() == got["state_dict"].keys()
     for key, value in want["state_dict"].items():
         assert torch.equal(value, got["state_dict"][key]), key
+
+
+def test_tokenized_text_holds_each_sentence_as_encode_gives_it(tmp_path):
+    """tokenize_text (batched encoding, chunked writes) keeps every sentence's ids, in order; too long ones out."""
+    from asr.neural_lm import open_tokenized, tokenize_text
+    from asr.tokenizer import train_tokenizer
+
+    text, _ = write_text(tmp_path, 500)
+    sentences = list(read_sentences(text))
+    bpe = train_tokenizer(sentences, "bpe", 20)
+    info = tokenize_text([str(text)], bpe, tmp_path / "tok", max_tokens=12)
+    kept = [bpe.encode(s) for s in sentences if len(bpe.encode(s)) <= 12]
+    assert info["sentences"] == len(kept) and info["too_long"] == len(sentences) - len(kept) > 0
+    loaded = open_tokenized(tmp_path / "tok")
+    assert [loaded.sentence(i).tolist() for i in range(len(loaded))] == kept
