@@ -198,7 +198,9 @@ def _describe(recognizer: Recognizer, config: DecodingConfig, task: DecodingTask
         else:
             c = lm.config
             print(f"decode: LM {config.lm}: transformer ({c.n_layers} layers, d_model {c.d_model}) on the model's "
-                  f"{c.vocab_size} tokens, weight {config.lm_weight}, fused into the search", file=sys.stderr)
+                  f"{c.vocab_size} tokens, weight {config.lm_weight}, fused into the search"
+                  + (f" (lm_word_bonus {config.lm_word_bonus} is an n-gram LM's: not used)" if config.lm_word_bonus
+                     else ""), file=sys.stderr)
     if task.precision != "fp32":
         print(f"decode: {task.precision} autocast on {recognizer.device}", file=sys.stderr)
 

@@ -14,7 +14,8 @@ ends (asr.lm.WordLMScorer), lm_word_bonus per word against the cost of each word
 (format "asr-lm", a torch file) is always fused, token by token, as a full scorer
 (asr.neural_lm.TransformerLMScorer): lm_weight x its log-probability of every token and of eos,
 and the pre-beam ranks tokens on the decoder's and the LM's weighted scores; its per-token
-counterpart of the word bonus is decoding.length_bonus, so lm_word_bonus must stay 0 with it.
+counterpart of the word bonus is decoding.length_bonus: lm_word_bonus (a preset's, for an n-gram
+LM) is not used with it.
 
 Where the next pieces go: alignments and attention weights are a step after `search`
 that reads the encoder output and the chosen tokens; decoding one shard of a manifest is
@@ -62,7 +63,7 @@ class DecodingOptions(SearchOptions):
     # (asr.lm.WordLMScorer) instead of rescoring the ended hypotheses; a neural LM is always fused
     lm_word_bonus: float = 0.0  # with an n-gram lm: + lm_word_bonus per word, beside lm_weight *
     # ln P_LM(words) (each word costs -ln P of the LM, so without it the LM favours dropping words);
-    # unused without lm; with a neural LM it must be 0 (decoding.length_bonus is the per-token bonus)
+    # unused without lm and with a neural LM (decoding.length_bonus is its per-token bonus)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: the encoder and the search under bf16
     # autocast; auto: bf16 on a CUDA GPU that supports it natively, fp32 elsewhere (the CPU)
 
@@ -96,9 +97,6 @@ class DecodingTask:
             raise ValueError(f"decoding.lm = {options.lm!r} and the loaded LM go together")
         if isinstance(lm, NeuralLM):
             lm.check_tokenizer(tokenizer)
-            if options.lm_word_bonus:
-                raise ValueError(f"decoding.lm_word_bonus = {options.lm_word_bonus!r} applies to word n-gram LMs; "
-                                 f"{options.lm} is a neural LM (its per-token bonus is decoding.length_bonus)")
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.search_threads = search_threads
         self.device = next(model.parameters()).device

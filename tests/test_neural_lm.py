@@ -197,9 +197,10 @@ def test_an_lm_of_another_tokenizer_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="another tokenizer") as err:
         recognizer.transcribe(tmp_path / "u0.wav", lm=other)
     assert "\n" not in str(err.value) and "other.pt" in str(err.value)
-    same = save_lm(tmp_path / "same.pt", tiny_lm(0, dtype=torch.float32))
-    with pytest.raises(ValueError, match="lm_word_bonus"):
-        recognizer.transcribe(tmp_path / "u0.wav", lm=same, lm_word_bonus=1.0)
+    same = save_lm(tmp_path / "same.pt", tiny_lm(0, dtype=torch.float32, sharpness=6.0))
+    wavs = sorted(tmp_path.glob("u*.wav"))
+    with_bonus = recognizer.transcribe(wavs, lm=same, lm_weight=2.0, lm_word_bonus=5.0)  # an n-gram LM's: unused
+    assert [r.text for r in with_bonus] == [r.text for r in recognizer.transcribe(wavs, lm=same, lm_weight=2.0)]
 
 
 def test_decode_and_transcribe_with_a_neural_lm(tmp_path):
