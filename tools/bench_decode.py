@@ -18,9 +18,9 @@ process's CPU time is kept: with one thread (`--threads 1`) it is what the work 
 else the machine runs.
 
 An LM mode (beam10+ctc0.3+lm0.3) fuses the model's transformer LM (conf/lm/: synth.yaml for
-synth, librispeech_transformer.yaml for librispeech_100h; random weights) into that beam search
-at weight 0.3: every hypothesis still runs to its maximum length, so the difference is what
-scoring the LM costs.
+synth, librispeech_transformer.yaml for librispeech_100h) into that beam search
+at weight 0.3, its output made uniform (its final LayerNorm's weight zeroed): the search finds the
+same hypotheses as without it, computing all of the LM, so the difference is what the LM costs.
 
 `--baseline GIT_REF` times the `asr` package of that revision too (extracted with `git archive`,
 git state untouched), side by side: two child processes, one importing each tree, time each
@@ -151,6 +151,8 @@ class Workload:
         config = load_lm_config(str(CONF / "lm" / LMS[self.name]), [])
         torch.manual_seed(0)
         lm = TransformerLM(dataclasses.replace(config.model, vocab_size=self.model.config.vocab_size, dropout=0.0))
+        with torch.no_grad():  # a uniform LM: the search keeps the hypotheses it finds without one
+            lm.norm.weight.zero_()
         scorer = TransformerLMScorer(NeuralLM(lm.eval().to(self.device), {}, "random"))
         return (dataclasses.replace(MODES[base], max_len_ratio=self.ratio),
                 Scorers({"lm": scorer}, {}, {"lm": weight}, (), ("lm",)))
@@ -333,7 +335,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --baseline
     parser.add_argument("--out", type=Path, default=ROOT / "exp/bench_decode.json", help="JSON results")
     args = parser.parse_args()
-    unknown = set(args.modes.split(",")) - set(MODES) or set(args.models.split(",")) - set(MODELS)
+    unknown = set(args.modes.split(",")) - {*MODES, *LM_MODES} or set(args.models.split(",")) - set(MODELS)
     if unknown:
         parser.error(f"unknown mode or model: {', '.join(sorted(unknown))}")
     return args
