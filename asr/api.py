@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from asr.alignment import Word
 from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, to_mono_16k
 from asr.checkpoint import CheckpointError, load_file
 from asr.config import from_dict
@@ -36,10 +37,10 @@ from asr.neural_lm import NeuralLM, is_neural_lm, load_neural_lm
 from asr.search import Hypothesis
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
 
-__all__ = ["FORMATS", "Recognizer", "Result", "Segment", "SegmentOptions", "format_results", "load_model",
+__all__ = ["FORMATS", "Recognizer", "Result", "Segment", "SegmentOptions", "Word", "format_results", "load_model",
            "resolve_device", "segment_audio"]
 
-FORMATS = ("txt", "json", "srt")
+FORMATS = ("txt", "json", "srt", "vtt", "tsv")
 FRAME = SAMPLE_RATE // 100  # 10 ms: the frame of the energy measure
 _INPUT_ERRORS = (AudioError, OSError, TypeError, ValueError)  # what a bad input raises
 
@@ -65,11 +66,13 @@ class SegmentOptions:
 
 
 class Segment(NamedTuple):
-    """A decoded stretch of an input: seconds from its start, and its text."""
+    """A decoded stretch of an input: seconds from its start, its text, and (with word timings)
+    its words, their times also in seconds from the input's start."""
 
     start: float
     end: float
     text: str
+    words: tuple[Word, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,11 @@ class Result:
     segments: tuple[Segment, ...] = ()
     duration: float = 0.0  # seconds of audio
     error: str | None = None
+
+    @property
+    def words(self) -> tuple[Word, ...]:
+        """The words of all segments (transcribe(..., word_timestamps=True); () without)."""
+        return tuple(w for segment in self.segments for w in segment.words)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -173,6 +181,7 @@ class Recognizer:
         raw: RawFormat | None = None,
         batch_size: int = 8,
         segmentation: SegmentOptions | None = None,
+        word_timestamps: bool = False,
     ) -> list[Result]:
         """One Result per input, in order. `audio`: a path, a (waveform, sample_rate) pair
         (numpy or torch, (T,) or (T, C)), or a list of them. `raw` reads every path as headerless
@@ -182,7 +191,8 @@ class Recognizer:
         lm_fusion (the n-gram LM inside the search instead; asr.lm.WordLMScorer) / lm_word_bonus
         (added per word with an n-gram LM) override this recognizer's DecodingOptions.
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
-        `batch_size` at a time.
+        `batch_size` at a time. `word_timestamps`: each segment's words, with their start and end
+        (seconds from the input's start) and confidence, aligned by the CTC head (asr.alignment).
         An input that cannot be read gives a Result with `error` set; the others go on. An error
         while decoding is not an input's: it is raised."""
         segmentation = segmentation or SegmentOptions()
@@ -194,7 +204,7 @@ class Recognizer:
         task = self.task(options)  # a bad word list or LM fails here, before any audio is read
         inputs = _as_list(audio)
         jobs = [_Job(os.fspath(item) if isinstance(item, (str, os.PathLike)) else None) for item in inputs]
-        batches = _Batches(self, task, jobs, batch_size)
+        batches = _Batches(self, task, jobs, batch_size, word_timestamps)
         for index, item in enumerate(inputs):
             pieces = self._pieces(item, raw, segmentation)
             while (piece := _next_piece(pieces, jobs[index])) is not None:
@@ -305,10 +315,11 @@ def _next_piece(pieces: Iterator[tuple[int, int, torch.Tensor | None]],
 class _Batches:
     """Segments waiting to be decoded, `size` at a time; results go to their jobs in order."""
 
-    def __init__(self, recognizer: Recognizer, task: DecodingTask, jobs: list[_Job], size: int) -> None:
+    def __init__(self, recognizer: Recognizer, task: DecodingTask, jobs: list[_Job], size: int,
+                 words: bool = False) -> None:
         if size < 1:
             raise ValueError(f"batch_size must be at least 1, got {size}")
-        self.recognizer, self.task, self.jobs, self.size = recognizer, task, jobs, size
+        self.recognizer, self.task, self.jobs, self.size, self.words = recognizer, task, jobs, size, words
         self.waiting: list[tuple[int, int, int, torch.Tensor | None]] = []  # (job, start, samples, features)
 
     def add(self, job: int, start: int, samples: int, feats: torch.Tensor | None) -> None:
@@ -324,11 +335,19 @@ class _Batches:
         """Decode the waiting segments; they leave the queue first, so a failed decode (raised)
         leaves nothing half done to decode again."""
         waiting, self.waiting = self.waiting, []
-        decoded = iter(self.task.run([f for *_, f in waiting if f is not None]))
+        feats = [f for *_, f in waiting if f is not None]
+        if self.words:
+            durations = [samples / SAMPLE_RATE for _, _, samples, f in waiting if f is not None]
+            decoded = iter(self.task.run_aligned(feats, durations,
+                                                 frame_length_ms=self.recognizer.features.frame_length_ms))
+        else:
+            decoded = iter((nbest, []) for nbest in self.task.run(feats))
         pieces = []
         for job, start, samples, feats in waiting:
-            hyp = next(decoded)[0] if feats is not None else Hypothesis((), 0.0)
-            segment = Segment(start / SAMPLE_RATE, (start + samples) / SAMPLE_RATE, self.recognizer.text(hyp.tokens))
+            nbest, words = next(decoded) if feats is not None else ((Hypothesis((), 0.0),), [])
+            hyp, offset = nbest[0], start / SAMPLE_RATE
+            timed = tuple(Word(w.text, offset + w.start, offset + w.end, w.confidence) for w in words)
+            segment = Segment(offset, (start + samples) / SAMPLE_RATE, self.recognizer.text(hyp.tokens), timed)
             pieces.append((job, (segment, hyp)))
         for job, piece in pieces:
             self.jobs[job].pieces.append(piece)
@@ -419,9 +438,12 @@ def _cut_point(window: torch.Tensor, shortest: int, pause_db: float) -> int:
 
 def format_results(results: Sequence[Result], fmt: str) -> str:
     """Results as text: "txt" (the transcript; "path<TAB>transcript" lines for several inputs),
-    "json" (a list of objects with path, text, duration, score, segments, error) or "srt"
-    (subtitles of the segments; "==> path <==" before each input's when there are several).
-    Inputs with an error are left out of txt and srt (report them separately)."""
+    "json" (a list of objects with path, text, duration, score, segments (with their words and
+    confidence when word timings were asked for), error), "srt" / "vtt" (subtitles: a cue per
+    segment, or per word when the results have word timings) or "tsv" (start, end in integer
+    milliseconds, text: a row per segment, or per word). For several inputs, srt, vtt and tsv put
+    "==> path <==" before each input's. Inputs with an error are left out of all but json (report
+    them separately)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     if fmt == "json":
@@ -430,23 +452,48 @@ def format_results(results: Sequence[Result], fmt: str) -> str:
     several = len(results) > 1
     if fmt == "txt":
         return "".join(f"{r.path or '<waveform>'}\t{r.text}\n" if several else f"{r.text}\n" for r in good)
-    return "\n".join((f"==> {r.path or '<waveform>'} <==\n" if several else "") + _srt(r) for r in good)
+    write = {"srt": _srt, "vtt": _vtt, "tsv": _tsv}[fmt]
+    return "\n".join((f"==> {r.path or '<waveform>'} <==\n" if several else "") + write(r) for r in good)
 
 
 def _json(r: Result) -> dict[str, Any]:
+    def segment(s: Segment) -> dict[str, Any]:
+        out: dict[str, Any] = {"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
+        if s.words:
+            out["words"] = [{"word": w.text, "start": round(w.start, 3), "end": round(w.end, 3),
+                             "confidence": round(w.confidence, 4)} for w in s.words]
+        return out
+
     return {
         "path": r.path, "text": r.text, "duration": round(r.duration, 3),
         "score": r.score if math.isfinite(r.score) else None,
-        "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text} for s in r.segments],
+        "segments": [segment(s) for s in r.segments],
         "error": r.error,
     }
 
 
+def _cues(r: Result) -> list[tuple[float, float, str]]:
+    """(start, end, text) of the subtitle cues: the words when there are word timings, else the
+    segments that hold text."""
+    if r.words:
+        return [(w.start, w.end, w.text) for w in r.words]
+    return [(s.start, s.end, s.text) for s in r.segments if s.text]
+
+
 def _srt(r: Result) -> str:
-    spoken = [s for s in r.segments if s.text]
-    return "".join(f"{i}\n{_srt_time(s.start)} --> {_srt_time(s.end)}\n{s.text}\n\n" for i, s in enumerate(spoken, 1))
+    return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{text}\n\n"
+                   for i, (a, b, text) in enumerate(_cues(r), 1))
 
 
-def _srt_time(seconds: float) -> str:
+def _vtt(r: Result) -> str:
+    return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{text}\n\n" for a, b, text in _cues(r))
+
+
+def _tsv(r: Result) -> str:
+    return "start\tend\ttext\n" + "".join(f"{round(a * 1000)}\t{round(b * 1000)}\t{text}\n" for a, b, text in _cues(r))
+
+
+def _clock(seconds: float, mark: str) -> str:
+    """HH:MM:SS<mark>mmm (srt: ",", vtt: ".")."""
     ms = round(seconds * 1000)
-    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{mark}{ms % 1000:03d}"

@@ -200,14 +200,46 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                                   lm_fusion=args.lm_fusion or None, lm_word_bonus=args.lm_word_bonus)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
                             search_threads=_threads(args.threads))
-    results = recognizer.transcribe(audio, raw=raw)
-    sys.stdout.write(format_results(results, args.format))
+    if args.format == "all" and not args.output_dir:
+        raise ValueError("--format all needs --output-dir DIR")
+    results = recognizer.transcribe(audio, raw=raw, word_timestamps=args.word_timestamps)
+    if args.output_dir:
+        for path in _write_outputs(results, args.output_dir, args.format):
+            print(path)
+    else:
+        sys.stdout.write(format_results(results, args.format))
     failed = [r for r in results if r.error is not None]
     for r in failed:
         print(f"asr transcribe: error: {r.error}", file=sys.stderr)
     if failed:
         print(f"asr transcribe: {len(failed)} of {len(results)} inputs failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _write_outputs(results: list, folder: str, fmt: str) -> list[Path]:
+    """One file per input and format, DIR/<input's name without its suffix>.<format> (as whisper's
+    CLI writes them; a name two inputs share gets -2, -3, ...), written atomically; the inputs that
+    failed get none."""
+    from asr.api import FORMATS, format_results
+    from asr.fileio import atomic_open
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    written, used = [], set()
+    for r in results:
+        if r.error is not None:
+            continue
+        stem, n = Path(r.path).stem, 1
+        while stem in used:
+            n += 1
+            stem = f"{Path(r.path).stem}-{n}"
+        used.add(stem)
+        for one in (FORMATS if fmt == "all" else (fmt,)):
+            path = out / f"{stem}.{one}"
+            with atomic_open(path) as f:
+                f.write(format_results([r], one))
+            written.append(path)
+    return written
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +416,12 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="MODEL.pt")
     p.add_argument("audio", nargs="+", metavar="AUDIO",
                    help="audio files; decoding.key=value items among them set any decoding option, after --config")
-    p.add_argument("--format", choices=["txt", "json", "srt"], default="txt")
+    p.add_argument("--format", choices=["txt", "json", "srt", "vtt", "tsv", "all"], default="txt",
+                   help="txt (default), json, srt, vtt, tsv; all: every one (with --output-dir)")
+    p.add_argument("--word-timestamps", action="store_true",
+                   help="each word's start, end and confidence (json; srt / vtt / tsv: a cue per word)")
+    p.add_argument("--output-dir", metavar="DIR", help="write DIR/<input name>.<format> per input instead of "
+                   "printing")
     p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (its batching is not used)")
     p.add_argument("--beam-size", type=int, metavar="N")
     p.add_argument("--mode", choices=MODES)

@@ -17,8 +17,11 @@ and the pre-beam ranks tokens on the decoder's and the LM's weighted scores; its
 counterpart of the word bonus is decoding.length_bonus: lm_word_bonus (a preset's, for an n-gram
 LM) is not used with it.
 
-Where the next pieces go: alignments and attention weights are a step after `search`
-that reads the encoder output and the chosen tokens; decoding one shard of a manifest is
+`run_aligned` adds the words of each best hypothesis with their times and confidence, aligned by
+the CTC head (asr.alignment) to the encoder output the search read.
+
+Where the next pieces go: attention weights are a step after `search` that reads the encoder
+output and the chosen tokens; decoding one shard of a manifest is
 asr.decode's choice of utterances, not the task's.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from asr.alignment import Word, align_words
 from asr.lexicon import Lexicon, LexiconScorer
 from asr.lm import NgramLM, WordLMScorer, rescore
 from asr.metrics import normalize_text
@@ -130,13 +134,32 @@ class DecodingTask:
         """The n-best (at most options.nbest, best first) of each utterance's features (T_i, n_mels);
         those too short for one encoder frame get the empty hypothesis without decoding. With an LM
         that is not fused, the scores are the rescored ones."""
-        out: list[tuple[Hypothesis, ...]] = [(Hypothesis((), 0.0),)] * len(feats)
+        return [nbest for nbest, _ in self._run(feats)]
+
+    @torch.no_grad()
+    def run_aligned(self, feats: Sequence[torch.Tensor], durations: Sequence[float], *,
+                    frame_length_ms: float = 25.0) -> list[tuple[tuple[Hypothesis, ...], list[Word]]]:
+        """`run`, and the words of each best hypothesis with their times (seconds from the start
+        of the utterance, within its duration in `durations`) and confidence (asr.alignment).
+        `frame_length_ms`: the features' window."""
+        return self._run(feats, (durations, frame_length_ms))
+
+    def _run(self, feats: Sequence[torch.Tensor],
+             align: tuple[Sequence[float], float] | None = None) -> list[tuple[tuple[Hypothesis, ...], list[Word]]]:
+        out: list[tuple[tuple[Hypothesis, ...], list[Word]]] = [((Hypothesis((), 0.0),), [])] * len(feats)
         minimum = self.model.encoder.subsampling.receptive_field
         usable = [i for i, f in enumerate(feats) if f.size(0) >= minimum]
-        if usable:
-            memory, memory_lens = self.encode([feats[i] for i in usable])
-            for i, nbest in zip(usable, self.search(memory, memory_lens)):
-                out[i] = self.rescore(nbest) if self.rescorer is not None else nbest
+        if not usable:
+            return out
+        memory, memory_lens = self.encode([feats[i] for i in usable])
+        nbests = [self.rescore(n) if self.rescorer is not None else n for n in self.search(memory, memory_lens)]
+        words: list[list[Word]] = [[] for _ in usable]
+        if align is not None:
+            durations, frame_length_ms = align
+            words = align_words(self.model, memory.float(), memory_lens, [n[0].tokens for n in nbests],
+                                self.tokenizer, [durations[i] for i in usable], frame_length_ms=frame_length_ms)
+        for i, nbest, found in zip(usable, nbests, words):
+            out[i] = (nbest, found)
         return out
 
     def encode(self, feats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

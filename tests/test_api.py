@@ -225,8 +225,11 @@ def test_formats():
     assert format_results([one], "srt") == (
         "1\n00:00:00,000 --> 00:00:01,250\nHI\n\n2\n00:00:01,250 --> 01:01:01,500\nTHERE\n\n")
     assert format_results([one, one], "srt").count("==> a.wav <==") == 2
+    assert format_results([one], "vtt") == (
+        "WEBVTT\n\n00:00:00.000 --> 00:00:01.250\nHI\n\n00:00:01.250 --> 01:01:01.500\nTHERE\n\n")
+    assert format_results([one], "tsv") == "start\tend\ttext\n0\t1250\tHI\n1250\t3661500\tTHERE\n"
     with pytest.raises(ValueError, match="unknown format"):
-        format_results([one], "vtt")
+        format_results([one], "ass")
 
 
 REAL_FILES = [
