@@ -457,10 +457,13 @@ def format_results(results: Sequence[Result], fmt: str) -> str:
 
 
 def _json(r: Result) -> dict[str, Any]:
+    def ms(seconds: float) -> float:  # the millisecond the srt / vtt / tsv clocks show
+        return round(seconds * 1000) / 1000
+
     def segment(s: Segment) -> dict[str, Any]:
-        out: dict[str, Any] = {"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
+        out: dict[str, Any] = {"start": ms(s.start), "end": ms(s.end), "text": s.text}
         if s.words:
-            out["words"] = [{"word": w.text, "start": round(w.start, 3), "end": round(w.end, 3),
+            out["words"] = [{"word": w.text, "start": ms(w.start), "end": ms(w.end),
                              "confidence": round(w.confidence, 4)} for w in s.words]
         return out
 
