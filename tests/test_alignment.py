@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from test_api import TOKENS, write_decode_files
@@ -164,3 +165,67 @@ def test_vtt_and_srt_parse_back(tmp_path):
         assert [int(x) / 1000 for a, b, _ in rows for x in (a, b)] == pytest.approx(
             [t for w in words for t in w[:2]], abs=1e-3)
         assert (out / f"{name}.txt").read_text() == result["text"] + "\n"
+
+
+@pytest.mark.slow
+def test_word_timestamps_match_synthesis_events():
+    """A tiny model overfit on 24 eSpeak NG utterances (the synth recipe's generator, two voices):
+    its CTC alignment of their transcripts puts the words' starts within 1 encoder frame (40 ms at
+    4x) of where eSpeak started them (its word events, as the synth recipe records them) on the
+    median, and 90% of them within 3 frames. Fewer utterances let a self-attention encoder memorize them with
+    its CTC spikes shifted in time: more of them (different sentences share words at different
+    places) pin the spikes to the sound."""
+    import dataclasses
+    import statistics
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "synth" / "local"))
+    import synthesize
+
+    from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
+    from asr.model import ASRModel, ModelConfig
+
+    sentences = synthesize.generated_texts({"train": 24, "dev": 0, "test": 0}, seed=1)["train"]
+    engine = synthesize.ESpeak()
+    resampler = synthesize.Resampler(engine.sample_rate, synthesize.SAMPLE_RATE)
+    voices = ("en-us", "en-gb-scotland+f2")
+    rendered = [synthesize.render(synthesize.Utt(id=f"u{i}", split="dev", text=t, voice=voices[i % 2], wpm=160,
+                                                 pitch=50, pitch_range=50, volume=100, lead=0.3, tail=0.2,
+                                                 snr_db=40.0), engine, resampler) for i, t in enumerate(sentences)]
+    features = FeatureConfig(n_mels=40)
+    feats = [fbank(torch.from_numpy(r.samples.astype(np.float32) / 32768), features) for r in rendered]
+    stats = CMVNStats()
+    for f in feats:
+        stats.add(f)
+    cmvn = GlobalCMVN(stats)
+    feats = [cmvn(f) for f in feats]
+    chars = CharTokenizer(sorted({c for t in sentences for c in t}))
+    tokens = [chars.encode(t) for t in sentences]
+    torch.manual_seed(0)
+    model = ASRModel(dataclasses.replace(
+        ModelConfig(), vocab_size=chars.vocab_size, n_mels=40, subsampling=4, conv_channels=16, d_model=96, n_heads=4,
+        ffn_dim=192, encoder_layers=3, decoder_layers=1, dropout=0.0, ctc_weight=0.7, lsm_weight=0.0))
+    x = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+    x_lens = torch.tensor([f.size(0) for f in feats])
+    y = torch.nn.utils.rnn.pad_sequence([torch.tensor(t) for t in tokens], batch_first=True, padding_value=-1)
+    y_lens = torch.tensor([len(t) for t in tokens])
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    for _ in range(600):
+        optimizer.zero_grad()
+        model(x, x_lens, y, y_lens).loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        memory, memory_lens = model.encoder(x, x_lens)
+    durations = [len(r.samples) / 16000 for r in rendered]
+    words = align_words(model, memory, memory_lens, tokens, chars, durations, frame_length_ms=features.frame_length_ms)
+    frame = model.config.subsampling * features.frame_shift_ms / 1000  # 40 ms
+    errors = []
+    for r, ws, text in zip(rendered, words, sentences):
+        assert [w.text for w in ws] == text.split()
+        errors += [(ws[e["index"]].start - e["start"]) / frame for e in r.words]
+    assert len(errors) >= 0.8 * sum(len(t.split()) for t in sentences)
+    absolute = sorted(abs(e) for e in errors)
+    assert statistics.median(absolute) <= 1.0 and absolute[int(0.9 * len(absolute))] <= 3.0, \
+        [round(e, 1) for e in sorted(errors)]

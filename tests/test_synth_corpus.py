@@ -293,6 +293,23 @@ def test_manifests_match_the_flac_files(corpus):
             assert make_text.is_normalized(u["text"])
 
 
+def test_word_starts_sit_beside_the_manifests_in_order_inside_each_file(corpus):
+    """<split>_words.jsonl: a line per manifest line, in its order; eSpeak's word events as words
+    of the manifest text at increasing times after the lead silence, inside the audio."""
+    for split in synthesize.SPLITS:
+        utts = read_jsonl(corpus / f"{split}.jsonl")
+        entries = read_jsonl(corpus / f"{split}_words.jsonl")
+        assert [e["id"] for e in entries] == [u["id"] for u in utts]
+        timed = total = 0
+        for u, e in zip(utts, entries):
+            words = u["text"].split()
+            assert all(w["word"] == words[w["index"]] for w in e["words"])
+            assert all(a["index"] < b["index"] and a["start"] < b["start"] for a, b in zip(e["words"], e["words"][1:]))
+            assert 0 <= e["words"][0]["start"] and e["words"][-1]["start"] < u["duration"]
+            timed, total = timed + len(e["words"]), total + len(words)
+        assert timed > 0.7 * total
+
+
 def test_audio_has_a_noise_floor_at_the_planned_snr(corpus):
     """No digital silence (it decodes to a log-mel floor that training, with its dither, never
     sees): the edges hold the planned white noise, speech RMS / noise RMS = the plan's snr_db."""

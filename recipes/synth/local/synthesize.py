@@ -12,6 +12,16 @@ also DATA/lm_text.txt: more sentences of the training templates, then sentences 
 (make_text.clauses), one per line, for the word LM; and DATA/corpus.json, what the worlds are (the
 seed, the accents and templates of each split, the unseen words' share of dev and test).
 
+Beside each manifest, DATA/<split>_words.jsonl: when each word starts in its FLAC, as eSpeak NG
+says (its word events), the truth for measuring word timings (tools/word_timing_check.py): one
+line per utterance, sorted by id, {"id", "words": [{"index": the word's index in the manifest
+text, "word", "start": seconds from the start of the FLAC}], "key": the plan key}. eSpeak gives
+most words an event, not all: a short word run into the next (AN in "OF AN OLD") may have none,
+and those words are absent. The time is the word's boundary where eSpeak puts it (before a stop
+consonant's silent closure: the audible onset may come some tens of ms later), carried to the
+FLAC: seconds = lead silence + eSpeak's sample / its sample rate (nothing is trimmed, and the
+resampling keeps times; timed_words).
+
 Three worlds that share no sentence template, no voice and no unseen word. train: sentences of the
 training templates, a fraction of them (--spliced) replaced by sentences spliced from runs of words
 of the others, then a fraction (--random-words) by random words of the training vocabulary, spoken
@@ -25,7 +35,9 @@ and edge silences at random; the plan is deterministic given the seed (the sampl
 bit-exact: eSpeak keeps state between utterances).
 
 Re-running is cheap: a FLAC whose stored plan key matches is kept; files are written to a
-temporary name and renamed, and manifests are written last, atomically. eSpeak is not
+temporary name and renamed, and manifests are written last, atomically. A kept FLAC keeps its
+word starts from the words file of the run that made it (the same plan key), or has them re-spoken
+(eSpeak alone, no audio written: a small fraction of the synthesis time). eSpeak is not
 thread-safe: each worker process initializes its own engine.
 
 This helper needs only numpy, soundfile and espeakng-loader (not the toolkit).
@@ -44,10 +56,11 @@ import re
 import sys
 import time
 import unicodedata
+from bisect import bisect_right
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 # One BLAS thread per process: the work is spread over processes, and OpenBLAS threads spinning
 # against each other on a busy 2-core machine make the resampler 10-50x slower. Set before numpy
@@ -126,6 +139,19 @@ _POS_CHARACTER = 1
 _CHARS_UTF8 = 1
 _RATE, _VOLUME, _PITCH, _RANGE = 1, 2, 3, 4
 _SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+_EVENT_LIST_TERMINATED, _EVENT_WORD = 0, 1  # espeak_EVENT_TYPE
+
+
+class _Event(ctypes.Structure):
+    """espeak_EVENT; the callback's third argument is an array of them ended by LIST_TERMINATED."""
+
+    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint),
+                ("text_position", ctypes.c_int),  # 1-based, in characters (code points) of the text
+                ("length", ctypes.c_int),  # characters of a WORD event's span
+                ("audio_position", ctypes.c_int),  # ms of the call's audio (= sample * 1000 // rate)
+                ("sample", ctypes.c_int),  # samples of the call's audio before the event
+                ("user_data", ctypes.c_void_p),
+                ("id", ctypes.c_char * 8)]  # union {int number; const char *name; char string[8]}
 
 
 class SynthError(RuntimeError):
@@ -356,50 +382,137 @@ def set_voice(lib: ctypes.CDLL, voice: str) -> None:
         raise SynthError(f"eSpeak NG has no voice {voice!r}")
 
 
+class WordEvent(NamedTuple):
+    """One espeakEVENT_WORD: where eSpeak starts speaking a word of the text it was given."""
+
+    text_position: int  # 1-based character position in that text
+    length: int  # characters of the span (it stops at an apostrophe: "isn" of "isn't")
+    sample: int  # samples (at the engine's rate) from the start of the call's audio
+
+
+class Speech(NamedTuple):
+    samples: np.ndarray  # (T,) int16 at the engine's rate
+    words: tuple[WordEvent, ...]
+
+
+class Rendered(NamedTuple):
+    samples: np.ndarray  # (T,) int16 at SAMPLE_RATE: the FLAC's samples
+    words: list[dict[str, Any]]  # [{"index", "word", "start"}] (word_starts)
+
+
 class ESpeak:
     """One eSpeak NG engine (one per process) in synchronous retrieval mode."""
 
     def __init__(self) -> None:
         lib, self.sample_rate = open_espeak()
-        self._lib, self._chunks = lib, []
+        self._lib = lib
+        self._chunks: list[np.ndarray] = []
+        self._words: list[WordEvent] = []
         self._callback = _SYNTH_CALLBACK(self._collect)  # kept alive as long as the engine
-        lib.espeak_SetSynthCallback(self._callback)
 
     def _collect(self, wav: Any, num_samples: int, events: Any) -> int:
         if wav and num_samples > 0:
             self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
+        if events:
+            array = ctypes.cast(events, ctypes.POINTER(_Event))
+            i = 0
+            while array[i].type != _EVENT_LIST_TERMINATED:
+                e = array[i]
+                if e.type == _EVENT_WORD:
+                    self._words.append(WordEvent(e.text_position, e.length, e.sample))
+                i += 1
         return 0  # 0 = go on
 
-    def synthesize(self, text: str, voice: str, wpm: int = 175, pitch: int = 50, pitch_range: int = 50,
-                   volume: int = 100) -> np.ndarray:
-        """(T,) int16 samples at self.sample_rate (22050 Hz), without leading or trailing silence.
+    def speak(self, text: str, voice: str, wpm: int = 175, pitch: int = 50, pitch_range: int = 50,
+              volume: int = 100) -> Speech:
+        """The samples at self.sample_rate (22050 Hz), as eSpeak writes them (its own few ms of
+        silence at the edges included), and its word events.
 
         wpm: speed in words per minute; pitch, pitch_range: eSpeak's 0-100 scales (50 = the voice's
         own); volume: percent.
+
+        The events' positions are the call's own: eSpeak NG 1.52 (espeakng-loader 0.2.4) restarts
+        both its sample count and its text positions at every espeak_Synth, whatever came before
+        (the same text spoken twice, or after another, gets the same positions; tests check it),
+        so nothing cumulative is subtracted. `sample` is used rather than `audio_position`, its
+        value in whole ms. A text too long for one clause keeps counting across its clauses.
         """
         set_voice(self._lib, voice)
         for parameter, value in ((_RATE, wpm), (_PITCH, pitch), (_RANGE, pitch_range), (_VOLUME, volume)):
             self._lib.espeak_SetParameter(parameter, value, 0)
         data = text.encode() + b"\0"
-        self._chunks.clear()
+        self._chunks, self._words = [], []
+        # the library holds one callback per process: this engine's, set for each call (another
+        # engine made in this process since, then freed, would leave its dangling one: a crash)
+        self._lib.espeak_SetSynthCallback(self._callback)
         status = self._lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
         if status != 0 or not self._chunks:
             raise SynthError(f"eSpeak NG failed on {text!r} with voice {voice} (error {status})")
-        return np.concatenate(self._chunks)
+        return Speech(np.concatenate(self._chunks), tuple(self._words))
+
+    def synthesize(self, text: str, voice: str, wpm: int = 175, pitch: int = 50, pitch_range: int = 50,
+                   volume: int = 100) -> np.ndarray:
+        """speak()'s samples only."""
+        return self.speak(text, voice, wpm, pitch, pitch_range, volume).samples
 
 
-def render(utt: Utt, engine: ESpeak, resampler: Resampler) -> np.ndarray:
+def spoken_text(utt: Utt) -> str:
+    """What eSpeak is given: the manifest text in lower case, ended as a sentence. The same words
+    as the manifest's, one for one (no number or symbol is left to expand: speakable spelled them
+    out before the manifest), so an event's word is found by its character position here."""
+    return utt.text.lower() + "."
+
+
+def speak(utt: Utt, engine: ESpeak) -> Speech:
+    return engine.speak(spoken_text(utt), utt.voice, utt.wpm, utt.pitch, utt.pitch_range, utt.volume)
+
+
+def timed_words(utt: Utt, speech: Speech, engine_rate: int) -> list[dict[str, Any]]:
+    """The word starts of `speech` in seconds of the FLAC render() writes from it: eSpeak's sample
+    / its rate, plus the lead silence. Nothing else moves the speech: render trims nothing, the
+    resampler is zero-phase (a sound at t seconds stays at t: same kernel as torchaudio's, centred),
+    the rate (wpm) is eSpeak's own (its events are of the audio at that rate), the tail silence and
+    the noise come after or on top."""
+    lead = round(utt.lead * SAMPLE_RATE) / SAMPLE_RATE
+    return word_starts(utt.text, spoken_text(utt), speech.words, engine_rate, lead, len(speech.samples))
+
+
+def render(utt: Utt, engine: ESpeak, resampler: Resampler) -> Rendered:
     """The utterance's 16 kHz int16 waveform: speech resampled, with its edge silences, under white
-    noise at utt.snr_db below the speech's RMS (drawn from a generator seeded by the plan key)."""
-    speech = engine.synthesize(utt.text.lower() + ".", utt.voice, utt.wpm, utt.pitch, utt.pitch_range, utt.volume)
-    y = resampler(speech.astype(np.float32))
+    noise at utt.snr_db below the speech's RMS (drawn from a generator seeded by the plan key); and
+    when its words start in it (timed_words)."""
+    speech = speak(utt, engine)
+    y = resampler(speech.samples.astype(np.float32))
     lead, tail = (np.zeros(round(s * SAMPLE_RATE), np.float32) for s in (utt.lead, utt.tail))
     y = np.concatenate([lead, y, tail])
     voiced = y[np.abs(y) > 0]
     rms = float(np.sqrt(np.mean(np.square(voiced, dtype=np.float64)))) if voiced.size else 0.0
     noise = np.random.default_rng(int(utt.key[:16], 16)).standard_normal(y.size)
     y = y + noise * (rms * 10.0 ** (-utt.snr_db / 20.0))
-    return np.clip(np.rint(y), -32768, 32767).astype(np.int16)
+    samples = np.clip(np.rint(y), -32768, 32767).astype(np.int16)
+    return Rendered(samples, timed_words(utt, speech, engine.sample_rate))
+
+
+def word_starts(text: str, spoken: str, events: tuple[WordEvent, ...], rate: int, offset: float,
+                num_samples: int) -> list[dict[str, Any]]:
+    """The words of `text` (split at spaces) that an event of eSpeak speaking `spoken` (the same
+    words in eSpeak's spelling) starts: [{"index", "word", "start": offset + sample / rate
+    seconds}], in word order. An event counts for the word whose characters hold its position,
+    or for the next word when it points between words (eSpeak points the first word of a second
+    sentence in one call at the space before it); the first event of a word only. Events past the
+    last word or the call's num_samples, or before the previous word's, are dropped."""
+    words = text.split()
+    ends = [m.end() for m in re.finditer(r"\S+", spoken)]  # 0-based, exclusive
+    timed: list[dict[str, Any]] = []
+    last_sample = -1
+    for event in events:
+        i = bisect_right(ends, event.text_position - 1)  # the word ending after the position
+        if (i >= min(len(words), len(ends)) or (timed and i <= timed[-1]["index"])
+                or not last_sample <= event.sample <= num_samples):
+            continue
+        timed.append({"index": i, "word": words[i], "start": round(offset + event.sample / rate, 4)})
+        last_sample = event.sample
+    return timed
 
 
 def existing_frames(path: Path, key: str) -> int | None:
@@ -436,28 +549,49 @@ def _init_worker() -> None:
     _worker = (engine, Resampler(engine.sample_rate, SAMPLE_RATE))
 
 
-def _synthesize_one(task: tuple[Utt, str]) -> tuple[str, int, bool]:
-    """(utterance, output folder) -> (id, frames, reused) in a worker."""
-    utt, out_dir = task
+class Done(NamedTuple):
+    """One utterance synthesized or kept: its frames, its word starts (timed_words) and whether
+    its FLAC was kept, and then whether its word starts were re-spoken."""
+
+    id: str
+    frames: int
+    words: list[dict[str, Any]]
+    reused: bool
+    respoken: bool
+
+
+def _synthesize_one(task: tuple[Utt, str, list[dict[str, Any]] | None]) -> Done:
+    """(utterance, output folder, its word starts from an earlier run or None) -> Done, in a worker."""
+    utt, out_dir, earlier_words = task
     path = Path(out_dir) / utt.audio
     frames = existing_frames(path, utt.key)
-    if frames is not None:
-        return utt.id, frames, True
+    if frames is not None and earlier_words is not None:
+        return Done(utt.id, frames, earlier_words, True, False)
     if _worker is None:
         _init_worker()
     engine, resampler = _worker
     try:
-        samples = render(utt, engine, resampler)
+        if frames is not None:  # a kept FLAC without its word starts (made before they were written)
+            return Done(utt.id, frames, timed_words(utt, speak(utt, engine), engine.sample_rate), True, True)
+        samples, words = render(utt, engine, resampler)
     except SynthError as e:
         raise SynthError(f"{utt.id}: {e}") from None
     write_flac(path, samples, utt.key)
-    return utt.id, len(samples), False
+    return Done(utt.id, len(samples), words, False, False)
 
 
-def run_plan(utts: list[Utt], out_dir: Path, jobs: int) -> tuple[dict[str, int], int]:
-    """Synthesize (or reuse) every utterance; returns ({id: frames}, number reused)."""
-    tasks = [(u, str(out_dir)) for u in utts]
-    frames, reused, started = {}, 0, time.time()
+def run_plan(utts: list[Utt], out_dir: Path, jobs: int,
+             earlier_words: dict[str, tuple[str, list[dict[str, Any]]]] | None = None) -> dict[str, Done]:
+    """Synthesize (or reuse) every utterance: {id: Done}. earlier_words: {id: (plan key, word
+    starts)} of an earlier run (read_words), used for the FLACs kept from it."""
+    earlier_words = earlier_words or {}
+
+    def earlier(u: Utt) -> list[dict[str, Any]] | None:
+        key, words = earlier_words.get(u.id, ("", []))
+        return words if key == u.key else None
+
+    tasks = [(u, str(out_dir), earlier(u)) for u in utts]
+    done, started = {}, time.time()
     if jobs <= 1:
         results = map(_synthesize_one, tasks)
         pool = None
@@ -466,14 +600,14 @@ def run_plan(utts: list[Utt], out_dir: Path, jobs: int) -> tuple[dict[str, int],
         pool = multiprocessing.get_context("spawn").Pool(jobs)
         results = pool.imap_unordered(_synthesize_one, tasks, chunksize=16)
     try:
-        for n, (uid, count, was_reused) in enumerate(results, 1):
-            frames[uid], reused = count, reused + was_reused
+        for n, result in enumerate(results, 1):
+            done[result.id] = result
             if n % 1000 == 0:
                 print(f"  {n}/{len(tasks)} utterances, {time.time() - started:.0f} s", file=sys.stderr)
     finally:
         if pool is not None:
             pool.terminate()
-    return frames, reused
+    return done
 
 
 # --- main ------------------------------------------------------------------------------------------------
@@ -486,6 +620,34 @@ def write_manifest(path: Path, utts: list[Utt], frames: dict[str, int]) -> None:
             line = {"id": u.id, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE,
                     "text": u.text, "speaker": u.voice}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def words_path(out_dir: Path, split: str) -> Path:
+    return out_dir / f"{split}_words.jsonl"
+
+
+def write_words(path: Path, utts: list[Utt], done: dict[str, Done]) -> None:
+    """The split's word starts (module docstring), sorted by id, written atomically."""
+    with atomic_open(path) as f:
+        for u in sorted(utts, key=lambda u: u.id):
+            f.write(json.dumps({"id": u.id, "words": done[u.id].words, "key": u.key}, ensure_ascii=False) + "\n")
+
+
+def read_words(path: Path) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+    """{id: (plan key, word starts)} of a words file an earlier run wrote; {} when there is none.
+    A line that does not read is left out (its utterance's word starts are re-spoken)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    earlier = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            earlier[entry["id"]] = (entry["key"], entry["words"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return earlier
 
 
 def check_voices(test_accents: tuple[str, ...], dev_accents: tuple[str, ...] = DEV_ACCENTS) -> None:
@@ -518,10 +680,15 @@ def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text
                "test": test_accents}
     plan = {s: plan_split(s, texts[s], voices(accents[s]), seed) for s in SPLITS}
     all_utts = [u for s in SPLITS for u in plan[s]]
-    started = time.time()
-    frames, reused = run_plan(all_utts, out_dir, jobs)
-    elapsed = time.time() - started
+    earlier = {}
     for split in SPLITS:
+        earlier.update(read_words(words_path(out_dir, split)))
+    started = time.time()
+    done = run_plan(all_utts, out_dir, jobs, earlier)
+    elapsed = time.time() - started
+    frames = {uid: d.frames for uid, d in done.items()}
+    for split in SPLITS:
+        write_words(words_path(out_dir, split), plan[split], done)
         write_manifest(out_dir / f"{split}.jsonl", plan[split], frames)
     with atomic_open(out_dir / "corpus.json") as f:
         f.write(json.dumps(corpus_card(texts, seed, accents, text_file is None), indent=1) + "\n")
@@ -532,10 +699,13 @@ def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text
         with atomic_open(lm_text) as f:  # written without looking at dev or test
             f.writelines(f"{line}\n" for line in lm_sentences(num, seed, lm_count))
             f.writelines(f"{line}\n" for line in lm_clauses(lm_clause_count, seed))
+    reused = sum(d.reused for d in done.values())
+    respoken = sum(d.respoken for d in done.values())
     made = len(all_utts) - reused
     seconds = sum(frames.values()) / SAMPLE_RATE
     print(f"synthesize: {len(all_utts)} utterances ({seconds / 3600:.2f} h) in {out_dir}: {made} made, "
-          f"{reused} kept, {elapsed:.1f} s with {jobs} process(es)"
+          f"{reused} kept" + (f" ({respoken} re-spoken for their word starts)" if respoken else "")
+          + f", {elapsed:.1f} s with {jobs} process(es)"
           + (f", {made / elapsed:.1f} utterances/s" if made and elapsed > 0 else ""), file=sys.stderr)
     return plan
 
