@@ -171,9 +171,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
     config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
                                   ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device,
                                   lm=args.lm, lm_weight=args.lm_weight)
-    wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads))
+    wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads),
+                          plot_attention=args.plot_attention or 0)
     if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 wrote them
-        print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt")
+        print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt" + (" attention/" if args.plot_attention else ""))
         print(format_wer(wer))
     return 0
 
@@ -408,6 +409,10 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available; under torchrun "
                    "each process on cuda:LOCAL_RANK)")
     p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
+    p.add_argument("--plot-attention", type=_positive, metavar="N",
+                   help="after decoding, draw the decoder's cross-attention (output tokens x encoder frames, a "
+                   "panel per layer, mean over heads) of the first N utterances decoded, in manifest order, "
+                   "into DIR/attention/<id>.png")
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
                    help="any field of asr.decode.DecodingConfig, after --config")
     p.set_defaults(func=cmd_decode)

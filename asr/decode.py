@@ -9,6 +9,9 @@ Writes into DIR (DESIGN.md):
     decode.jsonl       the journal: a header line (model, manifest, search settings, the precision
                        they mean on this device), then one line per utterance ({"id", "text",
                        "score", "nbest"?, "skipped"?}), appended and flushed after every batch
+    attention/<id>.png with --plot-attention N: the decoder's cross-attention (asr.attention_plot)
+                       of the first N utterances decoded, in manifest order; drawn by rank 0 after
+                       decoding (each decoded again alone for its tokens), outside the decoding loop
 The journal is what makes an interrupted run resume: a run with the same header decodes only the
 utterances it lacks; other settings (or another model file) start it over. An utterance whose audio
 cannot be used is an empty hypothesis (all deletions), counted in "skipped", and not retried.
@@ -57,7 +60,8 @@ from asr.manifest import Utterance, read_manifest
 from asr.metrics import ErrorStats, format_errors, format_summary, normalize_text, score
 from asr.sampler import greedy_batches, longest_first
 
-__all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config", "write_outputs"]
+__all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config", "plot_attention",
+           "write_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +118,16 @@ def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_
 
 
 def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathLike, out_dir: str | os.PathLike,
-                    config: DecodingConfig, *, search_threads: int | None = None) -> dict[str, Any]:
+                    config: DecodingConfig, *, search_threads: int | None = None,
+                    plot_attention: int = 0) -> dict[str, Any]:
     """Decode every utterance of the manifest (resuming from out_dir's journals), write hyp.txt,
     ref.txt, wer.json and errors.txt into out_dir, and return the wer.json dict. Progress and the
     real-time factor go to stderr. Under torchrun, each rank decodes its share of the batches, rank
     0 writes the files, and every rank returns the dict (module docstring). A malformed manifest
     raises ManifestError (file:line) before anything is decoded; a bad model file CheckpointError,
     a bad word list LexiconError, a bad LM file LMError. `search_threads`: see
-    asr.decoding.DecodingTask."""
+    asr.decoding.DecodingTask. `plot_attention` N > 0: rank 0 then draws the attention pictures of
+    the first N utterances into out_dir/attention (`plot_attention`)."""
     utts = read_manifest(manifest_path)
     ctx = setup_process(device=_rank_device(config.device))
     out = Path(out_dir)
@@ -131,7 +137,8 @@ def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathL
 
     try:
         with sigterm_stops(ctx, hint), collective_errors(ctx, hint):
-            return _decode_manifest(ctx, model_path, manifest_path, utts, out, config, search_threads)
+            return _decode_manifest(ctx, model_path, manifest_path, utts, out, config, search_threads,
+                                    plot_attention)
     finally:
         end_process(ctx)
 
@@ -151,7 +158,7 @@ def _rank_device(device: str) -> str:
 
 def _decode_manifest(ctx: Context, model_path: str | os.PathLike, manifest_path: str | os.PathLike,
                      utts: list[Utterance], out: Path, config: DecodingConfig,
-                     search_threads: int | None) -> dict[str, Any]:
+                     search_threads: int | None, pictures: int) -> dict[str, Any]:
     """decode_manifest in this process of the job `ctx`."""
     recognizer = load_model(model_path, device=ctx.device, options=config.decoding_options(),
                             search_threads=search_threads)
@@ -179,6 +186,8 @@ def _decode_manifest(ctx: Context, model_path: str | os.PathLike, manifest_path:
         if todo:
             _report_speed(todo, time.perf_counter() - start, ctx.world_size)
         wer = write_outputs(out, utts, records, config)
+        if pictures:
+            plot_attention(recognizer, task, utts, records, out / "attention", pictures)
     return _broadcast(ctx, wer)
 
 
@@ -316,6 +325,35 @@ def _decode_batch(recognizer: Recognizer, task: DecodingTask, batch: Batch) -> l
             record["nbest"] = [{"text": recognizer.text(h.tokens), "score": _json_number(h.score)} for h in nbest]
         records.append(record)
     return records
+
+
+@torch.no_grad()
+def plot_attention(recognizer: Recognizer, task: DecodingTask, utts: list[Utterance], records: Records,
+                   folder: Path, count: int) -> list[Path]:
+    """Attention pictures (asr.attention_plot) of the first `count` utterances of the manifest, in
+    its order, that were decoded (not skipped) and hold an encoder frame: folder/<id>.png, the best
+    hypothesis teacher-forced over the utterance's encoder output alone. The journal keeps only
+    text, so each is decoded again, alone, for its tokens (the search finds the same best
+    hypothesis alone as in a batch). A step of its own after decoding; the paths written."""
+    from asr.attention_plot import attention_picture, picture_name, write_png
+
+    start, written = time.perf_counter(), []
+    minimum = recognizer.model.encoder.subsampling.receptive_field
+    for utt in utts:
+        if len(written) == count:
+            break
+        example = None if records[utt.id].get("skipped") else ASRDataset([utt], None, features=recognizer.features)[0]
+        if not isinstance(example, Example) or example.feats.size(0) < minimum:
+            continue
+        feats = recognizer.cmvn(example.feats.to(recognizer.device))  # (T, D)
+        tokens = task.run([feats])[0][0].tokens
+        memory, _ = task.encode([feats])  # (1, S, d)
+        image = attention_picture(recognizer.model, recognizer.tokenizer, memory[0], tokens,
+                                  title=f"{utt.id}: {recognizer.text(tokens)}")
+        written.append(write_png(image, folder / picture_name(utt.id)))
+    print(f"decode: attention pictures of {len(written)} utterances in {folder} "
+          f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return written
 
 
 def _json_number(x: float) -> float | None:

@@ -52,6 +52,10 @@ class TrainingConfig:
     keep_last: int = 5  # checkpoints kept by recency
     keep_best: int = 10  # epoch checkpoints kept by validation loss (for `asr average`)
     valid_decode_utts: int = 50  # utterances greedily decoded for CER/WER at each validation
+    # validation utterances (the first of that decode subset) whose attention pictures (asr.attention_plot:
+    # the reference transcript teacher-forced) are drawn at each validation into EXP/attention/epoch<k>/<id>.png
+    # and TensorBoard (0: none)
+    attention_plots: int = 0
     patience: int = 0  # stop after this many epochs without a better validation loss (0: never)
     max_bad_steps: int = 20  # stop after this many non-finite steps in a row
     log_every: int = 10  # optimizer steps between log lines / TensorBoard points
@@ -88,6 +92,9 @@ class ExperimentConfig:
                              f"({tc.split_seconds:g}) positive")
         if tc.accum_grad < 1:
             raise ValueError(f"training.accum_grad must be >= 1, got {tc.accum_grad}")
+        if tc.attention_plots < 0:
+            raise ValueError(f"training.attention_plots must be >= 0 (0: no attention pictures), got "
+                             f"{tc.attention_plots}")
         if tc.global_batch_seconds:
             micro = tc.global_batch_seconds / cap
             if tc.accum_grad != 1:

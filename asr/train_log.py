@@ -5,7 +5,8 @@ EXP/metrics.jsonl holds one JSON record a line: {"kind": "train", "step", "epoch
 {"kind": "warning", "step", "epoch", "what", "message", ...} when the run looks wrong (a CTC loss
 stuck at chance).
 TensorBoard (EXP/tensorboard) gets every number of those records as `<kind>/<key>`; `plot_curves`
-draws them into a PNG at the end of training.
+draws them into a PNG at the end of training. Pictures of a validation (the attention pictures)
+go to EXP/<folder>/epoch<k>/<name>.png and to TensorBoard as images `<folder>/<name>`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,7 +44,7 @@ class TrainLog:
     def __init__(self, exp: Path, enabled: bool, *, summarize: Summarize, speed_key: str, resumed_at: int = 0):
         self.enabled = enabled
         self.summarize, self.speed_key = summarize, speed_key
-        self.path = exp / "metrics.jsonl"
+        self.exp, self.path = exp, exp / "metrics.jsonl"
         self.writer = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.last_step_end = time.perf_counter()
@@ -114,6 +116,18 @@ class TrainLog:
         self._write({"kind": "valid", **result})
         parts = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("epoch", "step"))
         log.info("epoch %d validation: %s", result["epoch"], parts)
+
+    def pictures(self, folder: str, epoch: int, step: int, images: dict[str, np.ndarray]) -> None:
+        """The pictures of a validation, (H, W, 3 or 4) uint8 by name (rank 0): PNG files
+        EXP/<folder>/epoch<epoch>/<name>.png and TensorBoard images `<folder>/<name>` at `step`."""
+        if not self.enabled or not images:
+            return
+        from asr.attention_plot import picture_name, write_png
+
+        for name, image in images.items():
+            write_png(image, self.exp / folder / f"epoch{epoch}" / picture_name(name))
+            self.writer.add_image(f"{folder}/{name}", image[..., :3], step, dataformats="HWC")
+        self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from asr.audio import SAMPLE_RATE
@@ -98,7 +99,8 @@ class ASRTask:
     its records, training and validation alike, give both losses per target token and their
     weighted sum as "loss"; at validation also the token accuracy, and greedy CER/WER on a fixed
     subset of the valid set (rank 0, when given `decode_loader`: a loader of that subset, and
-    `decode_text` its reference texts by id).
+    `decode_text` its reference texts by id); `attention_pictures` draws the utterances of
+    `picture_loader` (none without one).
     With `frontend` (data.frontend = "device"), batches are WaveBatches: their features are computed
     on `device` by it, in float32 (training features in `loss`, evaluation ones otherwise)."""
 
@@ -108,10 +110,12 @@ class ASRTask:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, features: FeatureConfig, ctc_weight: float,
                  device: torch.device, *, decode_loader=None, decode_text: dict[str, str] | None = None,
-                 frontend: DeviceFrontend | None = None):
+                 frontend: DeviceFrontend | None = None, picture_loader=None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.features, self.ctc_weight = features, ctc_weight
         self.decode_loader, self.decode_text = decode_loader, decode_text or {}
+        self.picture_loader = picture_loader
+        self.figures: dict[str, Any] = {}  # utterance id -> its asr.attention_plot.AttentionFigure, laid out once
         self.frontend = None if frontend is None else frontend.to(device)
         self.ctc_reported: set[str] = set()
 
@@ -245,6 +249,38 @@ class ASRTask:
             return {}
         stats = score(refs, hyps).stats
         return {"cer": stats.cer, "wer": stats.wer}
+
+    def attention_pictures(self, model: torch.nn.Module) -> dict[str, np.ndarray]:
+        """The attention pictures (asr.attention_plot) of the utterances of `picture_loader`, by id:
+        each one's reference transcript (its target tokens) teacher-forced over its encoder output
+        alone, in eval mode and float32. Each utterance's figure is laid out once and its heatmaps
+        redrawn at every call: a few utterances cost about a validation batch each."""
+        if self.picture_loader is None:
+            return {}
+        from asr.attention_plot import AttentionFigure, cross_attention, frame_ms, token_labels
+
+        pictures, training = {}, model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                self.picture_loader.set_epoch(0)
+                for batch in self.picture_loader:
+                    feats, feat_lens = self._inputs(batch, training=False)
+                    for i, utt_id in enumerate(batch.ids):
+                        memory, memory_lens = model.encoder(feats[i:i + 1, :int(feat_lens[i])], feat_lens[i:i + 1])
+                        if int(memory_lens[0]) == 0:  # too short for an encoder frame
+                            continue
+                        tokens = batch.tokens[i, :int(batch.token_lens[i])].tolist()
+                        weights = cross_attention(model, memory[0], tokens)  # (layers, L + 1, S)
+                        figure = self.figures.get(utt_id)
+                        if figure is None or figure.shape != tuple(weights.shape):
+                            figure = self.figures[utt_id] = AttentionFigure(
+                                weights.shape, token_labels(self.tokenizer, tokens),
+                                title=f"{utt_id}: {self.tokenizer.decode(tokens)}", frame_ms=frame_ms(model))
+                        pictures[utt_id] = figure.draw(weights)
+        finally:
+            model.train(training)
+        return pictures
 
 
 def _rows(batch: Batch | WaveBatch, rows: slice) -> Batch | WaveBatch:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from asr.checkpoint import (
@@ -74,6 +75,9 @@ from asr.train_task import ASRTask, Task
 
 log = logging.getLogger("asr.train")
 
+# the model -> pictures of it by name, (H, W, 3 or 4) uint8 each (drawn at each validation, rank 0)
+Pictures = Callable[[torch.nn.Module], dict[str, np.ndarray]]
+
 
 # ---------------------------------------------------------------------------------------------
 # the driver
@@ -106,7 +110,7 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
             train_loader = _loader(run, train_utts, training=True, archive=archive)
             valid_loader = _loader(run, valid_utts, training=False)
             loaders = _EpochLoaders(train_loader, *(_split_loader(run, state, train_utts, archive) or ()))
-            fit(run, state, task, loaders, valid_loader, logger)
+            fit(run, state, task, loaders, valid_loader, logger, pictures=task.attention_pictures)
             return _finish(run, logger)
     finally:
         end_process(ctx)
@@ -116,10 +120,13 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
 # loaders, the length curriculum, the task
 
 
-def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, archive: FeatureArchive | None = None):
-    """A loader built once (persistent workers); `set_epoch` selects the epoch and position.
-    Training: micro-batches of the run's plan, whole steps of them."""
+def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, archive: FeatureArchive | None = None,
+            workers: int | None = None):
+    """A loader built once (persistent workers: data.num_workers, or `workers`); `set_epoch`
+    selects the epoch and position. Training: micro-batches of the run's plan, whole steps of them."""
     ctx, data, group = run.ctx, run.config.data, None
+    if workers is not None:
+        data = dataclasses.replace(data, num_workers=workers)
     if training:
         data = dataclasses.replace(data, max_batch_seconds=run.plan.micro_batch_seconds)
         group = run.plan.group
@@ -161,18 +168,31 @@ class _EpochLoaders:
 
 
 def _asr_task(run: _Run, valid_utts: list) -> ASRTask:
-    """The task, with an evenly spaced, fixed subset of the valid set to decode on rank 0."""
-    n = run.config.training.valid_decode_utts
-    subset = []
-    if run.ctx.main and n > 0:
-        utts = sorted(valid_utts, key=lambda u: u.id)
-        subset = utts[::max(1, len(utts) // n)][:n]
+    """The task, with an evenly spaced, fixed subset of the valid set to decode on rank 0, and the
+    first training.attention_plots of it to draw (evenly spaced ones of their own when the subset
+    is smaller), read in this process (two utterances are not worth worker processes)."""
+    tc = run.config.training
+    subset = _spaced(valid_utts, tc.valid_decode_utts) if run.ctx.main else []
+    drawn = []
+    if run.ctx.main and tc.attention_plots:
+        drawn = (subset if len(subset) >= tc.attention_plots else _spaced(valid_utts, tc.attention_plots))
+        drawn = drawn[:tc.attention_plots]
     loader = _loader(run, subset, training=False, sharded=False) if subset else None
+    pictures = _loader(run, drawn, training=False, sharded=False, workers=0) if drawn else None
     data = run.config.data
-    frontend = (DeviceFrontend(data.features, run.cmvn, data.specaug, seed=run.config.training.seed)
+    frontend = (DeviceFrontend(data.features, run.cmvn, data.specaug, seed=tc.seed)
                 if data.frontend == "device" else None)
     return ASRTask(run.model, run.tokenizer, data.features, run.config.model.ctc_weight, run.ctx.device,
-                   decode_loader=loader, decode_text={u.id: u.text for u in subset}, frontend=frontend)
+                   decode_loader=loader, decode_text={u.id: u.text for u in subset}, frontend=frontend,
+                   picture_loader=pictures)
+
+
+def _spaced(utts: list, n: int) -> list:
+    """`n` utterances evenly spaced in id order (all when there are fewer; none for n = 0)."""
+    if n <= 0:
+        return []
+    utts = sorted(utts, key=lambda u: u.id)
+    return utts[::max(1, len(utts) // n)][:n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +387,10 @@ def _finish(run: _Run, logger: TrainLog) -> Path:
 # the loop: epochs, steps, validation
 
 
-def fit(run: _Run, state: _State, task: Task, loaders: _EpochLoaders, valid_loader, logger: TrainLog) -> None:
-    """Epochs of training, each followed by validation and a checkpoint, until a stop condition."""
+def fit(run: _Run, state: _State, task: Task, loaders: _EpochLoaders, valid_loader, logger: TrainLog, *,
+        pictures: Pictures | None = None) -> None:
+    """Epochs of training, each followed by validation and a checkpoint, until a stop condition.
+    `pictures`: what to draw of the model at each validation (rank 0; ASRTask.attention_pictures)."""
     tc = run.config.training
     if not state.total_steps:  # every epoch counted at the whole utterances' length
         loaders.whole.set_epoch(0)
@@ -378,7 +400,7 @@ def fit(run: _Run, state: _State, task: Task, loaders: _EpochLoaders, valid_load
         train_loader = loaders.of(state.epoch)
         finished = train_one_epoch(run, state, task, train_loader, logger)  # False: max_steps reached mid-epoch
         _report_skipped(run.ctx, train_loader)
-        _validate_and_checkpoint(run, state, task, valid_loader, logger, end_of_epoch=finished)
+        _validate_and_checkpoint(run, state, task, valid_loader, logger, end_of_epoch=finished, pictures=pictures)
     log.info("training stopped: %s", _why_stop(tc, state))
 
 
@@ -564,11 +586,13 @@ def _skip_step(run: _Run, state: _State, reason: str) -> None:
 
 
 def _validate_and_checkpoint(run: _Run, state: _State, task: Task, loader, logger: TrainLog, *,
-                             end_of_epoch: bool) -> None:
+                             end_of_epoch: bool, pictures: Pictures | None = None) -> None:
     result = compute_validation_loss(run, task, loader)
     result.update(epoch=state.epoch + 1, step=state.step)
     state.history.append(result)
     logger.valid(result)
+    if pictures is not None and run.ctx.main:  # EXP/attention/epoch<k>/<id>.png and TensorBoard
+        logger.pictures("attention", result["epoch"], state.step, pictures(run.model))
     if result["loss"] < state.best_loss - 1e-6:
         state.best_loss, state.epochs_without_gain = result["loss"], 0
     else:

@@ -17,6 +17,10 @@ memory-efficient, then the math fallback; on the CPU one flash-style kernel take
   positions over the utterance's keys (`attend`), so the keys are never copied per hypothesis;
 - conformer self-attention (asr.model.conformer): relative positions make an additive float bias
   (B, H, T, T) with the key padding folded in -> memory-efficient on CUDA (flash takes no bias).
+
+The fused kernels never form the weights. `attend_with_weights` is the explicit matmul-softmax
+reference path that returns them (attention pictures: TransformerDecoder.forward_with_attention);
+it gives the same outputs to rounding and is used only when the weights are asked for.
 """
 from __future__ import annotations
 
@@ -101,15 +105,55 @@ class MultiHeadAttention(nn.Module):
 
         R may be a multiple N of B (beam search): query rows b * N .. b * N + N - 1 then attend to
         key row b, so that keys and values are kept once per utterance, never per hypothesis.
-        `mask` (B, 1, 1, S) or broadcastable to (B, H, T, S); `is_causal` needs R == B and T == S.
+        `mask` (B, 1, 1, S) or broadcastable to (B, H, T, S), boolean (True = may attend) or
+        additive; `is_causal` needs R == B and T == S.
         """
-        rows, heads, t, dh = q.shape
-        batch = k.size(0)
-        if rows > batch:  # fold the N hypotheses of an utterance into its query positions
-            q = q.view(batch, -1, heads, t, dh).transpose(1, 2).reshape(batch, heads, -1, dh)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
-        y = y.view(batch, heads, -1, t, dh).permute(0, 2, 3, 1, 4)  # (B, N, T, H, dh), rows unfolded
+        y = F.scaled_dot_product_attention(self._fold(q, k.size(0)), k, v, attn_mask=mask, dropout_p=p,
+                                           is_causal=is_causal)
+        return self._unfold(y, q.shape)
+
+    def attend_with_weights(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` by an explicit matmul-softmax, for attention pictures: (its output (R, T, d), the
+        same to rounding, and the attention weights (R, H, T, S)). A row's weights sum to 1 over the
+        keys it may attend and are exactly 0 on the others. Dropout, in training mode, drops weights
+        as `attend` does; the weights returned are those before it. Slower than `attend`, which
+        stays the path of training and decoding.
+        """
+        rows, heads, t, _ = q.shape
+        batch, keys = k.size(0), k.size(2)
+        folded = self._fold(q, batch)  # (B, H, N * T, dh)
+        scores = folded @ k.transpose(-2, -1) * folded.size(-1) ** -0.5  # (B, H, N * T, S)
+        if is_causal:  # top-left aligned, as scaled_dot_product_attention's
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        weights = scores.softmax(dim=-1)
+        p = self.dropout if self.training else 0.0
+        y = self._unfold((F.dropout(weights, p) if p else weights) @ v, q.shape)
+        weights = weights.view(batch, heads, -1, t, keys).transpose(1, 2).reshape(rows, heads, t, keys)
+        return y, weights
+
+    def _fold(self, q: torch.Tensor, batch: int) -> torch.Tensor:
+        """q (R, H, T, dh), R = N * batch -> (batch, H, N * T, dh): the N hypotheses of an utterance
+        become query positions over its key row (q itself when N == 1)."""
+        rows, heads, t, dh = q.shape
+        if rows == batch:
+            return q
+        return q.view(batch, -1, heads, t, dh).transpose(1, 2).reshape(batch, heads, -1, dh)
+
+    def _unfold(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """y (B, H, N * T, dh) of queries folded from shape (R, H, T, dh) -> the output projection
+        of its rows unfolded, (R, T, d)."""
+        rows, heads, t, dh = shape
+        y = y.view(y.size(0), heads, -1, t, dh).permute(0, 2, 3, 1, 4)  # (B, N, T, H, dh)
         return self.out_proj(y.reshape(rows, t, self.d_model))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:

@@ -30,6 +30,14 @@ class ReorderPlan(NamedTuple):
     # rows whose utterance changes (index[u * N] // N != u), ascending
 
 
+class DecoderAttention(NamedTuple):
+    """What `TransformerDecoder.forward_with_attention` returns."""
+
+    log_probs: torch.Tensor  # (B, L, V) float32, as `forward`'s
+    cross_attention: torch.Tensor  # (layers, B, H, L, S): the weights of output position l over the
+    # memory frames; each row sums to 1 over the valid frames memory_lens[b] and is 0 on the others
+
+
 @dataclass(eq=False)
 class DecoderCache:
     """What the decoder's `step` needs from earlier steps; updated in place by `step` and `reorder`.
@@ -158,6 +166,16 @@ class DecoderLayer(nn.Module):
         x = x + self.dropout(self.self_attn(self.norm1(x), is_causal=True))
         return self._cross_and_ffn(x, memory_k, memory_v, memory_mask)
 
+    def forward_with_attention(self, x: torch.Tensor, memory_k: torch.Tensor, memory_v: torch.Tensor,
+                               memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the cross-attention on the explicit path: (B, L, d) and its weights
+        (B, H, L, S)."""
+        x = x + self.dropout(self.self_attn(self.norm1(x), is_causal=True))
+        q = self.cross_attn.query(self.norm2(x))
+        y, weights = self.cross_attn.attend_with_weights(q, memory_k, memory_v, mask=memory_mask)
+        x = x + self.dropout(y)
+        return x + self.dropout(self.ffn(self.norm3(x))), weights
+
     def step(self, x: torch.Tensor, index: int, cache: DecoderCache) -> torch.Tensor:
         """One position: x (R, 1, d) -> (R, 1, d), reading and filling layer `index` of the cache."""
         q, kv = self.self_attn.q_kv(self.norm1(x))  # (R, H, 1, dh), (R, 1, 2, H, dh)
@@ -172,6 +190,7 @@ class TransformerDecoder(nn.Module):
 
     `forward` is teacher-forced over whole sequences; `step` decodes one position for R rows with
     a DecoderCache; both give the same log-probabilities (float32) for the same prefix.
+    `forward_with_attention` is `forward` that also returns the cross-attention weights (pictures).
     """
 
     def __init__(
@@ -225,6 +244,19 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             x = layer(x, *layer.cross_attn.key_value(memory), mask)
         return self._log_probs(x)
+
+    def forward_with_attention(self, tokens: torch.Tensor, token_lens: torch.Tensor, memory: torch.Tensor,
+                               memory_lens: torch.Tensor) -> DecoderAttention:
+        """`forward` (the same log-probabilities, to rounding) and the cross-attention weights of
+        every layer and head, from the explicit attention path (MultiHeadAttention.attend_with_weights):
+        for attention pictures, never for training or search. Weights of padded frames are 0."""
+        mask = key_mask(memory_lens, memory.size(1))  # (B, 1, 1, S)
+        x = self._embed(tokens, self._positions(tokens.size(1), tokens.device))
+        weights = []
+        for layer in self.layers:
+            x, layer_weights = layer.forward_with_attention(x, *layer.cross_attn.key_value(memory), mask)
+            weights.append(layer_weights)
+        return DecoderAttention(self._log_probs(x), torch.stack(weights))
 
     def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,
                    capacity: int = 64) -> DecoderCache:
