@@ -55,7 +55,7 @@ class TrainingConfig:
     # validation utterances (the first of that decode subset) whose attention pictures (asr.attention_plot:
     # the reference transcript teacher-forced) are drawn at each validation into EXP/attention/epoch<k>/<id>.png
     # and TensorBoard (0: none)
-    attention_plots: int = 0
+    attention_plots: int = 2
     patience: int = 0  # stop after this many epochs without a better validation loss (0: never)
     max_bad_steps: int = 20  # stop after this many non-finite steps in a row
     log_every: int = 10  # optimizer steps between log lines / TensorBoard points
