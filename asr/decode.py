@@ -346,8 +346,8 @@ def plot_attention(recognizer: Recognizer, task: DecodingTask, utts: list[Uttera
         if not isinstance(example, Example) or example.feats.size(0) < minimum:
             continue
         feats = recognizer.cmvn(example.feats.to(recognizer.device))  # (T, D)
-        tokens = task.run([feats])[0][0].tokens
-        memory, _ = task.encode([feats])  # (1, S, d)
+        memory, memory_lens = task.encode([feats])  # (1, S, d): encoded once, for the search and the picture
+        tokens = task.decode_memory(memory, memory_lens)[0][0].tokens
         image = attention_picture(recognizer.model, recognizer.tokenizer, memory[0], tokens,
                                   title=f"{utt.id}: {recognizer.text(tokens)}")
         written.append(write_png(image, folder / picture_name(utt.id)))

@@ -152,7 +152,7 @@ class DecodingTask:
         if not usable:
             return out
         memory, memory_lens = self.encode([feats[i] for i in usable])
-        nbests = [self.rescore(n) if self.rescorer is not None else n for n in self.search(memory, memory_lens)]
+        nbests = self.decode_memory(memory, memory_lens)
         words: list[list[Word]] = [[] for _ in usable]
         if align is not None:
             durations, frame_length_ms = align
@@ -176,6 +176,12 @@ class DecodingTask:
         few = self.search_threads is not None and rows <= FEW_ROWS and memory.device.type == "cpu"
         with intra_op_threads(self.search_threads if few else None), self._autocast():
             return decode_memory(self.model, memory, memory_lens, options, self.scorers)
+
+    def decode_memory(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
+        """What `run` gives for an encoder output: the search's n-best lists, rescored when an LM
+        rescores them."""
+        nbests = self.search(memory, memory_lens)
+        return [self.rescore(n) for n in nbests] if self.rescorer is not None else nbests
 
     def _autocast(self) -> AbstractContextManager:
         """bf16 autocast on the model's device when the precision is bf16; nothing for fp32."""

@@ -455,7 +455,7 @@ def train_lm(config: LMExperimentConfig, texts: Sequence[str], valid_texts: Sequ
     from asr.checkpoint import check_or_save_config
     from asr.distributed import collective_errors, end_process, setup_process, sigterm_stops
     from asr.train_log import TrainLog
-    from asr.trainer import _EpochLoaders, _finish, _resume, fit, make_run
+    from asr.trainer import EpochLoaders, finish_run, fit, make_run, resume_run
 
     tc = config.training
     ctx = setup_process(device=tc.device, num_threads=tc.num_threads)
@@ -475,15 +475,15 @@ def train_lm(config: LMExperimentConfig, texts: Sequence[str], valid_texts: Sequ
                                            state_dict=run.model.state_dict())
             config = dataclasses.replace(config, model=model.config)
             run = make_run(config, model, tok, exp, ctx, plan, envelope=envelope, final_name="lm_last.pt")
-            state = _resume(run)
+            state = resume_run(run)
             task = LMTask(run.model, ctx.device)
             logger = TrainLog(exp, ctx.main, summarize=task.summarize, speed_key=task.speed_key, resumed_at=state.step)
             train_loader = TextLoader(train_text, plan.micro_batch_seconds, training=True, seed=tc.seed,
                                       rank=ctx.rank, world_size=ctx.world_size, group=plan.group)
             valid_loader = TextLoader(valid_text, config.data.max_batch_tokens, training=False, seed=tc.seed,
                                       rank=ctx.rank, world_size=ctx.world_size)
-            fit(run, state, task, _EpochLoaders(train_loader), valid_loader, logger)
-            return _finish(run, logger)
+            fit(run, state, task, EpochLoaders(train_loader), valid_loader, logger)
+            return finish_run(run, logger)
     finally:
         end_process(ctx)
 

@@ -102,16 +102,16 @@ def train(config: ExperimentConfig, train_manifest: str, valid_manifest: str, ex
             tokenizer = experiment_tokenizer(exp, config, train_utts, tokenizer_dir, ctx)
             cmvn = experiment_cmvn(exp, config, train_utts, cmvn_path, ctx)
             run = _build(config, tokenizer, cmvn, label_rate(tokenizer, train_utts), exp, ctx)
-            state = _resume(run)
+            state = resume_run(run)
             archive = feature_archive(feats_dir, config)
             task = _asr_task(run, valid_utts)
             logger = TrainLog(exp, ctx.main, summarize=task.summarize, speed_key=task.speed_key,
                               resumed_at=state.step)
             train_loader = _loader(run, train_utts, training=True, archive=archive)
             valid_loader = _loader(run, valid_utts, training=False)
-            loaders = _EpochLoaders(train_loader, *(_split_loader(run, state, train_utts, archive) or ()))
+            loaders = EpochLoaders(train_loader, *(_split_loader(run, state, train_utts, archive) or ()))
             fit(run, state, task, loaders, valid_loader, logger, pictures=task.attention_pictures)
-            return _finish(run, logger)
+            return finish_run(run, logger)
     finally:
         end_process(ctx)
 
@@ -155,7 +155,7 @@ def _split_loader(run: _Run, state: _State, utts: list, archive: FeatureArchive 
 
 
 @dataclass
-class _EpochLoaders:
+class EpochLoaders:
     """The training loader of each epoch: the curriculum's pieces (`split`) for its first
     `split_epochs`, then the whole utterances."""
 
@@ -312,7 +312,7 @@ def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return torch.float16
 
 
-def _resume(run: _Run) -> _State:
+def resume_run(run: _Run) -> _State:
     """The state of the newest checkpoint in EXP, its weights, optimizer, scaler and RNG states
     loaded; a fresh state when there is none. Rank 0 first removes the temporary files of writes
     a kill interrupted."""
@@ -372,7 +372,7 @@ def _save_checkpoint(run: _Run, state: _State, *, valid_loss: float | None) -> N
     run.ctx.barrier()
 
 
-def _finish(run: _Run, logger: TrainLog) -> Path:
+def finish_run(run: _Run, logger: TrainLog) -> Path:
     """Write EXP/model_last.pt (the run's final_name) and the curves (rank 0)."""
     path = run.exp / run.final_name
     if run.ctx.main:
@@ -387,7 +387,7 @@ def _finish(run: _Run, logger: TrainLog) -> Path:
 # the loop: epochs, steps, validation
 
 
-def fit(run: _Run, state: _State, task: Task, loaders: _EpochLoaders, valid_loader, logger: TrainLog, *,
+def fit(run: _Run, state: _State, task: Task, loaders: EpochLoaders, valid_loader, logger: TrainLog, *,
         pictures: Pictures | None = None) -> None:
     """Epochs of training, each followed by validation and a checkpoint, until a stop condition.
     `pictures`: what to draw of the model at each validation (rank 0; ASRTask.attention_pictures)."""
@@ -621,4 +621,5 @@ def compute_validation_loss(run: _Run, task: Task, loader) -> dict[str, float]:
     return result
 
 
-__all__ = ["TrainingError", "compute_validation_loss", "fit", "make_run", "train", "train_one_epoch", "train_step"]
+__all__ = ["EpochLoaders", "TrainingError", "compute_validation_loss", "finish_run", "fit", "make_run", "resume_run",
+           "train", "train_one_epoch", "train_step"]

@@ -31,14 +31,14 @@ from asr.train_task import ASRTask
 
 def dump_rank_weights() -> None:
     """Patch the trainer's last step: each rank saves its model's weights beside model_last.pt."""
-    finish = asr.trainer._finish
+    finish = asr.trainer.finish_run
 
     @functools.wraps(finish)
     def finish_and_dump(run, logger):
         torch.save(run.model.state_dict(), run.exp / f"weights.rank{os.environ.get('RANK', 0)}.pt")
         return finish(run, logger)
 
-    asr.trainer._finish = finish_and_dump
+    asr.trainer.finish_run = finish_and_dump
 
 
 def inject(nonfinite: str | None, oom: str | None) -> None:
