@@ -31,6 +31,10 @@ setup(
     extras_require={
         "dev": ["pytest>=7.4", "hypothesis>=6.90", "ruff>=0.5"],
         "synth": ["espeakng-loader>=0.2"],
+        # `asr serve`: aiohttp (server, multipart uploads, client for the load test)
+        "serve": ["aiohttp>=3.9"],
+        # `asr export` and transcription of exported models
+        "export": ["onnx>=1.16", "onnxscript>=0.1", "onnxruntime>=1.18"],
     },
     entry_points={"console_scripts": ["asr=asr.cli:main"]},
 )

@@ -38,7 +38,7 @@ from asr.search import Hypothesis
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
 
 __all__ = ["FORMATS", "Recognizer", "Result", "Segment", "SegmentOptions", "Word", "format_results", "load_model",
-           "resolve_device", "segment_audio"]
+           "resolve_device", "result_dict", "segment_audio"]
 
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")
 FRAME = SAMPLE_RATE // 100  # 10 ms: the frame of the energy measure
@@ -447,7 +447,7 @@ def format_results(results: Sequence[Result], fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     if fmt == "json":
-        return json.dumps([_json(r) for r in results], indent=2, ensure_ascii=False) + "\n"
+        return json.dumps([result_dict(r) for r in results], indent=2, ensure_ascii=False) + "\n"
     good = [r for r in results if r.error is None]
     several = len(results) > 1
     if fmt == "txt":
@@ -456,7 +456,8 @@ def format_results(results: Sequence[Result], fmt: str) -> str:
     return "\n".join((f"==> {r.path or '<waveform>'} <==\n" if several else "") + write(r) for r in good)
 
 
-def _json(r: Result) -> dict[str, Any]:
+def result_dict(r: Result) -> dict[str, Any]:
+    """A Result as the plain dict of the json format (one element of its list)."""
     def ms(seconds: float) -> float:  # the millisecond the srt / vtt / tsv clocks show
         return round(seconds * 1000) / 1000
 

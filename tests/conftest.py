@@ -59,3 +59,13 @@ def tokenizer():
     from asr.tokenizer import train_tokenizer
 
     return train_tokenizer(["ONE TWO THREE FOUR X"], "char")
+
+
+@pytest.fixture(scope="session")
+def spoken_model(tmp_path_factory):
+    """A small character model that has learned four eSpeak NG sentences by heart, its FLAC files
+    and their transcripts (tests/spoken_model.py; ~10 s to make, once per session)."""
+    pytest.importorskip("espeakng_loader")
+    from spoken_model import train_spoken_model
+
+    return train_spoken_model(tmp_path_factory.mktemp("spoken"))

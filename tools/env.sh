@@ -9,7 +9,7 @@ if [ ! -x "$_venv/bin/python" ] || [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" 
   echo "== setting up $_venv (torch and friends; a few minutes the first time)" >&2
   [ -x "$_venv/bin/python" ] || python3 -m venv "$_venv" || return 1 2>/dev/null || exit 1
   "$_venv/bin/python" -m pip install -q --upgrade pip >&2 &&
-  "$_venv/bin/python" -m pip install -q -e "$_root[dev,synth]" >&2 &&
+  "$_venv/bin/python" -m pip install -q -e "$_root[dev,synth,serve,export]" >&2 &&
   echo "$_want" > "$_stamp" || { echo "error: installing the project into $_venv failed" >&2; return 1 2>/dev/null || exit 1; }
 fi
 . "$_venv/bin/activate"
