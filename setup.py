@@ -15,6 +15,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["asr", "asr.*"]),
+    package_data={"asr": ["web/*"]},  # the page of `asr serve`
     install_requires=[
         # torchaudio 2.11 is its last release and imports only beside a torch built for the
         # same CUDA: torch 2.11 to 2.14.
@@ -29,7 +30,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "dev": ["pytest>=7.4", "hypothesis>=6.90", "ruff>=0.5"],
+        "dev": ["pytest>=7.4", "hypothesis>=6.90", "ruff>=0.5", "selenium>=4.10"],  # selenium: the web page's tests
         "synth": ["espeakng-loader>=0.2"],
         # `asr serve`: aiohttp (server, multipart uploads, client for the load test)
         "serve": ["aiohttp>=3.9"],

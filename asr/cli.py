@@ -217,6 +217,32 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("aiohttp") is None:
+        raise ValueError("asr serve needs aiohttp: pip install -e '.[serve]'")
+    import torch
+
+    from asr.api import load_model
+    from asr.decode import load_decoding_config
+    from asr.serve import ServeOptions, run
+
+    options = ServeOptions(max_upload_mb=args.max_upload_mb, max_seconds=args.max_seconds,
+                           queue_size=args.queue_size, batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms)
+    config = load_decoding_config(args.config, args.overrides, beam_size=args.beam_size, lexicon=args.lexicon,
+                                  lm=args.lm, device=args.device)
+    if args.threads:  # the thread policy, once for the whole run: no request changes it
+        torch.set_num_threads(args.threads)
+    recognizer = load_model(args.model, device=config.device, options=config.decoding_options())
+    recognizer.task()  # a bad word list or LM fails now, not at the first request
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"asr serve: listening on {args.host}: whoever reaches this machine can use the server",
+              file=sys.stderr)
+    run(recognizer, args.host, args.port, options, announce=lambda line: print(line, flush=True))
+    return 0
+
+
 def _write_outputs(results: list, folder: str, fmt: str) -> list[Path]:
     """One file per input and format, DIR/<input's name without its suffix>.<format> (as whisper's
     CLI writes them; a name two inputs share gets -2, -3, ...), written atomically; the inputs that
@@ -443,6 +469,30 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")
     p.add_argument("--raw-channels", type=int, default=1, metavar="N", help="channels of raw input (default 1)")
     p.set_defaults(func=cmd_transcribe)
+
+    p = sub.add_parser("serve", help="an HTTP API and a web page that transcribe uploads and the microphone")
+    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port (printed)")
+    p.add_argument("--max-upload-mb", type=float, default=50.0, metavar="MB", help="largest upload (default 50)")
+    p.add_argument("--max-seconds", type=float, default=600.0, metavar="S",
+                   help="longest audio of one upload (default 600)")
+    p.add_argument("--queue-size", type=_positive, default=16, metavar="N",
+                   help="uploads waiting for the model; past it, 503 with Retry-After (default 16)")
+    p.add_argument("--batch-size", type=_positive, default=8, metavar="N",
+                   help="uploads decoded together (default 8)")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, metavar="MS",
+                   help="how long the first upload of a batch waits for others (default 10)")
+    p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (its batching is not used)")
+    p.add_argument("--beam-size", type=int, metavar="N")
+    p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
+    p.add_argument("--lm", metavar="LM", help=LM_HELP)
+    p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--threads", type=_positive, metavar="N",
+                   help="CPU threads of torch's operators, set once at start-up (default: torch's)")
+    p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
+                   help="any field of asr.decode.DecodingConfig, after --config")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("wer", help="word and character error rates of HYP against REF")
     p.add_argument("ref", metavar="REF", help="Kaldi-style 'ID WORDS' text file, or a manifest")
