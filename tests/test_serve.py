@@ -69,6 +69,7 @@ def test_serve_transcribes_an_upload(server, spoken_model):
     cli = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", str(spoken_model.model), str(path)],
                          capture_output=True, text=True, check=True)
     assert status == 200, body
+    assert server.url.startswith("http://127.0.0.1:")  # loopback unless --host says otherwise
     assert body["text"] == cli.stdout.strip() == spoken_model.texts[4]
     assert body["name"] == path.name and body["duration"] == pytest.approx(sf.info(path).duration, abs=1e-3)
     assert [w["word"] for w in body["words"]] == body["text"].split()
