@@ -34,6 +34,7 @@ from asr.lexicon import Lexicon
 from asr.lm import LMError, NgramLM
 from asr.model import ASRModel, ModelConfig
 from asr.neural_lm import NeuralLM, is_neural_lm, load_neural_lm
+from asr.quantize import int8_model
 from asr.search import Hypothesis
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
 
@@ -107,9 +108,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", options: DecodingOptions | None = None,
                *, search_threads: int | None = None) -> Recognizer:
     """A Recognizer from a model file written by `asr train` / `asr average` (loaded with
-    weights_only=True; a file that is not a usable model raises CheckpointError naming it).
+    weights_only=True; a file that is not a usable model raises CheckpointError naming it), or from
+    a folder written by `asr export` (run by onnxruntime on the CPU: asr.onnx_model.load_exported).
     `options`: the default decoding of `transcribe` (default DecodingOptions(): beam search, beam
-    10, CTC weight 0.3); `search_threads`: see asr.decoding.DecodingTask."""
+    10, CTC weight 0.3; int8=True: int8 weights, asr.quantize); `search_threads`: see
+    asr.decoding.DecodingTask."""
+    if os.path.isdir(path):
+        return _load_exported(path, device, options, search_threads)
     obj = load_file(path)
     source = os.fspath(path)
     try:
@@ -128,6 +133,19 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", opti
                               f"CMVN statistics, {config.n_mels} in the model")
     return Recognizer(_model(config, obj["state_dict"], source), tokenizer, features, cmvn,
                       device=resolve_device(device), options=options, search_threads=search_threads)
+
+
+def _load_exported(path: str | os.PathLike, device: str | torch.device, options: DecodingOptions | None,
+                   search_threads: int | None) -> Recognizer:
+    """load_model of an export folder: onnxruntime on the CPU, its threads torch's intra-op count."""
+    from asr.onnx_model import load_exported
+
+    device = resolve_device(device)
+    if device.type != "cpu":
+        raise ValueError(f"an exported model runs on the CPU (onnxruntime), not on {device}")
+    exported = load_exported(path, int8=bool(options and options.int8))
+    return Recognizer(exported.model, exported.tokenizer, exported.features, exported.cmvn, device=device,
+                      options=options, search_threads=search_threads)
 
 
 def _model(config: ModelConfig, state_dict: Any, source: str) -> ASRModel:
@@ -164,6 +182,7 @@ class Recognizer:
         self.search_threads = search_threads
         self._lexicons: dict[str, tuple[tuple[int, ...] | None, Lexicon]] = {}  # path: (file stamp, compiled)
         self._lms: dict[str, tuple[tuple[int, ...] | None, NgramLM | NeuralLM]] = {}  # path: (file stamp, model)
+        self._int8: ASRModel | None = None  # the int8 copy of the model, made by the first int8 task
 
     def transcribe(
         self,
@@ -228,7 +247,12 @@ class Recognizer:
         """The decoding task of `options` (default: this recognizer's) with this model, its word
         list and LM loaded (LexiconError / LMError when they cannot be read or used)."""
         options = options or self.options
-        return DecodingTask(self.model, self.tokenizer, options,
+        model = self.model
+        if options.int8 and self.device.type == "cpu":  # (elsewhere the task refuses int8)
+            if self._int8 is None:
+                self._int8 = int8_model(self.model)
+            model = self._int8
+        return DecodingTask(model, self.tokenizer, options,
                             lexicon=self.lexicon(options.lexicon) if options.lexicon else None,
                             lm=self.language_model(options.lm) if options.lm else None,
                             search_threads=self.search_threads)

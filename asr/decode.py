@@ -54,6 +54,7 @@ from asr.config import ConfigError, load_config, to_dict
 from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, split_skipped
 from asr.decoding import DecodingOptions, DecodingTask
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
+from asr.export import EXPORT_FILE
 from asr.fileio import atomic_open
 from asr.lm import NgramLM
 from asr.manifest import Utterance, read_manifest
@@ -212,6 +213,9 @@ def _describe(recognizer: Recognizer, config: DecodingConfig, task: DecodingTask
                      else ""), file=sys.stderr)
     if task.precision != "fp32":
         print(f"decode: {task.precision} autocast on {recognizer.device}", file=sys.stderr)
+    if config.int8:
+        kind = "asr.quantize" if isinstance(recognizer.model, torch.nn.Module) else "the exported int8 graphs"
+        print(f"decode: int8 weights ({kind})", file=sys.stderr)
 
 
 def _gather(ctx: Context, obj: Any) -> list[Any] | None:
@@ -373,9 +377,10 @@ def _header(model_path: str | os.PathLike, manifest_path: str | os.PathLike, con
             precision: str) -> dict[str, Any]:
     """What the results depend on: the model file (path, size, time), the manifest, the search
     (and the word list's and the LM's size and time when there are ones), the precision it means
-    on this device ("fp32" or "bf16")."""
+    on this device ("fp32" or "bf16"). An export folder (asr.export) is stamped by its export.json,
+    which every export rewrites."""
     model = Path(model_path).resolve()
-    stat = model.stat()
+    stat = (model / EXPORT_FILE if model.is_dir() else model).stat()
     header = {"format": _JOURNAL_FORMAT, "model": str(model), "model_size": stat.st_size,
               "model_mtime_ns": stat.st_mtime_ns, "manifest": str(Path(manifest_path).resolve()),
               "search": to_dict(config.decoding_options()), "precision": precision}

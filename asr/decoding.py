@@ -41,6 +41,7 @@ from asr.lm import NgramLM, WordLMScorer, rescore
 from asr.metrics import normalize_text
 from asr.model import ASRModel
 from asr.neural_lm import NeuralLM, TransformerLMScorer
+from asr.quantize import int8_model
 from asr.search import Hypothesis, Scorers, SearchOptions, check_fields, decode_memory
 from asr.tokenizer import Tokenizer
 
@@ -70,6 +71,8 @@ class DecodingOptions(SearchOptions):
     # unused without lm and with a neural LM (decoding.length_bonus is its per-token bonus)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: the encoder and the search under bf16
     # autocast; auto: bf16 on a CUDA GPU that supports it natively, fp32 elsewhere (the CPU)
+    int8: bool = False  # CPU: every weight matmul in int8, activations quantized per call (asr.quantize;
+    # an exported model: its int8 graphs); the precision is then fp32 for the rest
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,13 +85,16 @@ class DecodingOptions(SearchOptions):
             ("lm_weight", math.isfinite(self.lm_weight) and self.lm_weight >= 0, "must be finite and >= 0"),
             ("lm_fusion", not self.lm_fusion or bool(self.lm), "needs decoding.lm"),
             ("lm_word_bonus", math.isfinite(self.lm_word_bonus), "must be finite"),
+            ("int8", not (self.int8 and self.precision == "bf16"), "and precision bf16 do not go together"),
         ))
 
 
 class DecodingTask:
     """A model decoding with `options`: the scorers they ask for are built once, from the compiled
     `lexicon` (required when options.lexicon is set) and the loaded `lm` (required when options.lm
-    is). The model should be in eval mode. `search_threads`: torch's intra-op threads while a CPU
+    is). The model should be in eval mode; it may also be an exported one (asr.onnx_model.OnnxModel).
+    With options.int8 the task decodes with asr.quantize.int8_model(model), on the CPU only (pass
+    that model to quantize once for many tasks). `search_threads`: torch's intra-op threads while a CPU
     search has at most FEW_ROWS rows (None: torch's setting is left alone). `precision`: "fp32" or
     "bf16", what options.precision means on the model's device (resolve_precision)."""
 
@@ -101,9 +107,13 @@ class DecodingTask:
             raise ValueError(f"decoding.lm = {options.lm!r} and the loaded LM go together")
         if isinstance(lm, NeuralLM):
             lm.check_tokenizer(tokenizer)
+        self.device = _device(model)
+        if options.int8:
+            if self.device.type != "cpu":
+                raise ValueError(f"decoding.int8 runs on the CPU, not on {self.device}")
+            model = int8_model(model)
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.search_threads = search_threads
-        self.device = next(model.parameters()).device
         self.precision = resolve_precision(options.precision, self.device)
         self.rescorer = lm if isinstance(lm, NgramLM) and not options.lm_fusion else None
         # rescoring ranks the whole beam; the search then returns all of it
@@ -194,6 +204,12 @@ class DecodingTask:
         best = rescore([(w, h.score) for w, h in zip(words, nbest)], self.rescorer, self.options.lm_weight,
                        self.options.nbest, self.options.lm_word_bonus)
         return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
+
+
+def _device(model: ASRModel) -> torch.device:
+    """The model's device: an exported model's `device`, else its parameters'."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

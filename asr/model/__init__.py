@@ -15,14 +15,15 @@ from asr.model.asr_model import (
     count_parameters,
     ctc_feasible,
 )
-from asr.model.attention import MultiHeadAttention, key_mask
+from asr.model.attention import IN_PARTS, MultiHeadAttention, key_mask
 from asr.model.conformer import ConformerEncoder, RelPositionAttention
 from asr.model.decoder import DecoderCache, ReorderPlan, TransformerDecoder
 from asr.model.encoder import TransformerEncoder, sinusoidal_positions
 from asr.model.lm import LMConfig, TransformerLM
-from asr.model.subsampling import Conv2dSubsampling, conv_output_length
+from asr.model.subsampling import Conv2dSubsampling, conv_output_length, right_context
 
 __all__ = [
+    "IN_PARTS",
     "ASRModel",
     "ConformerEncoder",
     "Conv2dSubsampling",
@@ -42,5 +43,6 @@ __all__ = [
     "count_parameters",
     "ctc_feasible",
     "key_mask",
+    "right_context",
     "sinusoidal_positions",
 ]

@@ -39,6 +39,9 @@ def key_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return (positions < lengths.clamp(min=1)[:, None])[:, None, None, :]
 
 
+IN_PARTS = ("qkv", "q", "kv")  # the parts of the packed in-projection the attention uses (MultiHeadAttention.in_rows)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: `forward` is self-attention; `query`, `key_value`, `qkv` and `attend`
     are the parts the decoder's cached step and its cross-attention combine.
@@ -55,6 +58,8 @@ class MultiHeadAttention(nn.Module):
         self.in_weight = nn.Parameter(torch.empty(3 * d_model, d_model))  # rows: q, k, v
         self.in_bias = nn.Parameter(torch.empty(3 * d_model))
         self.out_proj = nn.Linear(d_model, d_model)
+        self.int8_in: nn.ModuleDict | None = None  # an int8 copy of the model (asr.quantize): the in-projection
+        # prepacked by part (IN_PARTS), used instead of in_weight / in_bias
         MultiHeadAttention.reset_parameters(self)  # this class's own: a subclass adds parameters after
 
     def reset_parameters(self) -> None:
@@ -70,27 +75,37 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.n_heads, -1).transpose(1, 2)
 
+    def in_rows(self, part: str) -> slice:
+        """The rows of in_weight / in_bias of `part` (IN_PARTS): "qkv" all, "q" the first third, "kv" the rest."""
+        d = self.d_model
+        return {"qkv": slice(0, 3 * d), "q": slice(0, d), "kv": slice(d, 3 * d)}[part]
+
+    def _in_proj(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        """x (B, T, d) through the in-projection's rows of `part` (in_rows): (B, T, rows)."""
+        if self.int8_in is not None:
+            return self.int8_in[part](x)
+        rows = self.in_rows(part)
+        return F.linear(x, self.in_weight[rows], self.in_bias[rows])
+
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Self-attention projections of x (B, T, d): q, k, v each (B, H, T, dh)."""
-        q, k, v = F.linear(x, self.in_weight, self.in_bias).chunk(3, dim=-1)
+        q, k, v = self._in_proj(x, "qkv").chunk(3, dim=-1)
         return self._heads(q), self._heads(k), self._heads(v)
 
     def q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Self-attention projections of x (B, T, d) for a cache: q (B, H, T, dh), and the keys
         and values side by side, (B, T, 2, H, dh) (one view: a cache stores them in one copy)."""
         b, t, _ = x.shape
-        projected = F.linear(x, self.in_weight, self.in_bias)  # (B, T, 3 d)
+        projected = self._in_proj(x, "qkv")  # (B, T, 3 d)
         return self._heads(projected[..., :self.d_model]), projected[..., self.d_model:].view(b, t, 2, self.n_heads, -1)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Query projection of x (B, T, d) -> (B, H, T, dh)."""
-        d = self.d_model
-        return self._heads(F.linear(x, self.in_weight[:d], self.in_bias[:d]))
+        return self._heads(self._in_proj(x, "q"))
 
     def key_value(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value projections of memory (B, S, d): k, v each (B, H, S, dh)."""
-        d = self.d_model
-        k, v = F.linear(memory, self.in_weight[d:], self.in_bias[d:]).chunk(2, dim=-1)
+        k, v = self._in_proj(memory, "kv").chunk(2, dim=-1)
         return self._heads(k), self._heads(v)
 
     def attend(
@@ -143,10 +158,9 @@ class MultiHeadAttention(nn.Module):
 
     def _fold(self, q: torch.Tensor, batch: int) -> torch.Tensor:
         """q (R, H, T, dh), R = N * batch -> (batch, H, N * T, dh): the N hypotheses of an utterance
-        become query positions over its key row (q itself when N == 1)."""
-        rows, heads, t, dh = q.shape
-        if rows == batch:
-            return q
+        become query positions over its key row (a view of q when N == 1 or T == 1). No branch on the
+        sizes, so that an exported graph keeps N and B apart (asr.export)."""
+        _, heads, t, dh = q.shape
         return q.view(batch, -1, heads, t, dh).transpose(1, 2).reshape(batch, heads, -1, dh)
 
     def _unfold(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:

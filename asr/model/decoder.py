@@ -293,3 +293,28 @@ class TransformerDecoder(nn.Module):
             x = layer.step(x, index, cache)
         cache.length += 1
         return self._log_probs(x[:, 0]), cache
+
+    def step_kv(self, tokens: torch.Tensor, past_kv: torch.Tensor, memory_kv: torch.Tensor,
+                memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` with its cache as arguments and results, no state (the graph asr.export writes).
+
+        tokens (B, N) long: the latest token of N hypotheses per utterance, all at position t;
+        past_kv (layers, 2, B, N, t, H, dh): the self-attention keys [:, 0] and values [:, 1] of
+        the steps so far (DecoderCache.self_kv's steps, its R rows as (B, N)); memory_kv
+        (layers, 2, B, H, S, dh) and memory_mask (B, 1, 1, S) additive, as `init_cache` makes them.
+        Returns the log-probabilities (B, N, V) float32 and present_kv (layers, 2, B, N, t + 1, H, dh).
+        """
+        b, n = tokens.shape
+        t, heads, dh = past_kv.size(4), past_kv.size(5), past_kv.size(6)
+        position = sinusoidal_positions(torch.arange(t, t + 1, device=tokens.device), self.d_model)  # (1, d)
+        x = self._embed(tokens.reshape(b * n, 1), position)  # (R, 1, d)
+        present = []
+        for index, layer in enumerate(self.layers):
+            q, kv = layer.self_attn.q_kv(layer.norm1(x))  # (R, H, 1, dh), (R, 1, 2, H, dh)
+            new = kv.reshape(b, n, 1, 2, heads, dh).permute(3, 0, 1, 2, 4, 5)  # (2, B, N, 1, H, dh)
+            layer_kv = torch.cat([past_kv[index], new], dim=3)  # (2, B, N, t + 1, H, dh)
+            present.append(layer_kv)
+            keys, values = layer_kv.reshape(2, b * n, t + 1, heads, dh).transpose(2, 3)  # (R, H, t + 1, dh) each
+            x = x + layer.self_attn.attend(q, keys, values)
+            x = layer._cross_and_ffn(x, memory_kv[index, 0], memory_kv[index, 1], memory_mask)
+        return self._log_probs(x[:, 0]).view(b, n, -1), torch.stack(present)

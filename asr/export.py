@@ -1,0 +1,169 @@
+"""`asr export`: a model file as ONNX graphs that onnxruntime runs (asr.onnx_model), in a folder.
+
+    export_model("exp/synth/model_avg.pt", "exp/synth/onnx")     # then asr.load_model("exp/synth/onnx")
+
+DIR holds (EXPORT_FILE says which graph is which and links them to the rest):
+    encoder.onnx       feats (B, T, n_mels) float32, feat_lens (B,) int64
+                       -> memory (B, T', d), memory_lens (B,) int64
+    ctc.onnx           memory (B, T', d) -> ctc_log_probs (B, T', V)
+    decoder_init.onnx  memory (B, S, d), memory_lens (B,) -> memory_kv (layers, 2, B, H, S, dh), the
+                       cross-attention keys and values of every layer, and memory_mask (B, 1, 1, S)
+                       (additive: 0 on valid frames, -inf on padding)
+    decoder_step.onnx  tokens (B, N) int64, past_kv (layers, 2, B, N, t, H, dh), memory_kv, memory_mask
+                       -> log_probs (B, N, V), present_kv (layers, 2, B, N, t + 1, H, dh)
+                       (TransformerDecoder.step_kv: the cache is an argument and a result)
+    *.int8.onnx        with int8=True: the same graphs with int8 weights (onnxruntime's dynamic
+                       quantization of MatMul / Gemm weights, per output channel)
+    tokenizer.json     (+ tokenizer.model for sentencepiece): asr.tokenizer's files
+    export.json        {"format": "asr-onnx", "version", "model": the model config, "frontend":
+                       features + CMVN, "tokenizer": {"vocab_size", "fingerprint"}, "graphs": {name:
+                       file}, "int8_graphs", "opset"}
+Every size but the layers, heads and widths is a dynamic axis: B, N, T, T', S, t. The tokenizer's
+fingerprint (sha256 of its content, `tokenizer_fingerprint`) ties it to the graphs: a tokenizer
+from another model, or one whose vocabulary is not the graphs' V, is refused on loading.
+
+onnx, onnxscript and onnxruntime are the optional extra `pip install -e '.[export]'`, imported
+here only when exporting (a one-line error names the extra when one is missing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from asr.checkpoint import load_file
+from asr.config import to_dict
+from asr.fileio import atomic_open
+from asr.model import ASRModel
+from asr.onnx_model import (
+    EXPORT_FILE,
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    GRAPHS,
+    require_extra,
+    tokenizer_fingerprint,
+)
+
+__all__ = ["export_model"]
+
+class _CTC(nn.Module):
+    def __init__(self, model: ASRModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, memory: torch.Tensor) -> torch.Tensor:
+        return self.model.ctc_log_probs(memory)
+
+
+class _DecoderInit(nn.Module):
+    """memory, memory_lens -> memory_kv, memory_mask: TransformerDecoder.init_cache's cross-attention part."""
+
+    def __init__(self, model: ASRModel) -> None:
+        super().__init__()
+        self.decoder = model.decoder
+
+    def forward(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.decoder.init_cache(memory, memory_lens, rows=memory.size(0), capacity=1)
+        return cache.memory_kv, cache.memory_mask
+
+
+class _DecoderStep(nn.Module):
+    def __init__(self, model: ASRModel) -> None:
+        super().__init__()
+        self.decoder = model.decoder
+
+    def forward(self, tokens: torch.Tensor, past_kv: torch.Tensor, memory_kv: torch.Tensor,
+                memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder.step_kv(tokens, past_kv, memory_kv, memory_mask)
+
+
+def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str], list[str]]]:
+    """name -> (module, example inputs, dynamic shapes, input names, output names). The examples'
+    sizes differ from each other and from 0 and 1, so that no dynamic axis is specialized."""
+    c = model.config
+    heads, dh, layers = c.n_heads, c.d_model // c.n_heads, c.decoder_layers
+    dim = torch.export.Dim
+    batch, rows, time, frames = dim("batch"), dim("beam"), dim("time", min=model.encoder.subsampling.receptive_field), \
+        dim("frames")
+    steps = dim("steps")
+    feats, feat_lens = torch.randn(3, 230, c.n_mels), torch.tensor([230, 180, 120])
+    memory, memory_lens = model.encoder(feats, feat_lens)
+    memory_kv, memory_mask = _DecoderInit(model)(memory, memory_lens)
+    tokens = torch.randint(2, c.vocab_size - 1, (3, 5))
+    past = torch.randn(layers, 2, 3, 5, 4, heads, dh)
+    return {
+        "encoder": (model.encoder, (feats, feat_lens), {"feats": {0: batch, 1: time}, "feat_lens": {0: batch}},
+                    ["feats", "feat_lens"], ["memory", "memory_lens"]),
+        "ctc": (_CTC(model), (memory,), {"memory": {0: batch, 1: frames}}, ["memory"], ["ctc_log_probs"]),
+        "decoder_init": (_DecoderInit(model), (memory, memory_lens),
+                         {"memory": {0: batch, 1: frames}, "memory_lens": {0: batch}},
+                         ["memory", "memory_lens"], ["memory_kv", "memory_mask"]),
+        "decoder_step": (_DecoderStep(model), (tokens, past, memory_kv, memory_mask),
+                         {"tokens": {0: batch, 1: rows}, "past_kv": {2: batch, 3: rows, 4: steps},
+                          "memory_kv": {2: batch, 4: frames}, "memory_mask": {0: batch, 3: frames}},
+                         ["tokens", "past_kv", "memory_kv", "memory_mask"], ["log_probs", "present_kv"]),
+    }
+
+
+def export_model(model_path: str | os.PathLike, out_dir: str | os.PathLike, *, int8: bool = False) -> Path:
+    """Export the model file `model_path` into the folder `out_dir` (module docstring; created, or
+    its export files replaced); int8: also the int8 graphs. Returns out_dir's export.json. A bad
+    model file raises CheckpointError; a missing extra ImportError naming it."""
+    require_extra("onnx", "onnxscript", "onnxruntime")
+    from asr.api import load_model
+
+    recognizer = load_model(model_path, device="cpu")
+    model = recognizer.model.eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files, int8_files, opset = {}, {}, None
+    with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as tmp, torch.no_grad():
+        for name, (module, args, shapes, inputs, outputs) in _graphs(model).items():
+            program = torch.onnx.export(module.eval(), args, dynamic_shapes=shapes, input_names=inputs,
+                                        output_names=outputs, dynamo=True, verbose=False)
+            opset = program.model.opset_imports.get("", opset)
+            program.save(os.path.join(tmp, f"{name}.onnx"))
+            files[name] = f"{name}.onnx"
+            if int8:
+                _quantize_graph(os.path.join(tmp, f"{name}.onnx"), os.path.join(tmp, f"{name}.int8.onnx"))
+                int8_files[name] = f"{name}.int8.onnx"
+        for file in [*files.values(), *int8_files.values()]:
+            os.replace(os.path.join(tmp, file), out / file)
+    recognizer.tokenizer.save(out)
+    meta = _metadata(recognizer, load_file(model_path)["frontend"], files, int8_files, opset)
+    with atomic_open(out / EXPORT_FILE) as f:
+        f.write(json.dumps(meta, indent=1) + "\n")
+    for stale in ({f"{g}.int8.onnx" for g in GRAPHS} - set(int8_files.values())):
+        if (out / stale).exists():  # an earlier export's int8 graphs would not match these
+            (out / stale).unlink()
+    return out / EXPORT_FILE
+
+
+def _quantize_graph(source: str, target: str) -> None:
+    """onnxruntime's dynamic int8 quantization of the weights of MatMul / Gemm nodes, per output channel."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(source, target, weight_type=QuantType.QInt8, per_channel=True,
+                     op_types_to_quantize=["MatMul", "Gemm"])
+
+
+def _metadata(recognizer: Any, frontend: dict[str, Any], files: dict[str, str], int8_files: dict[str, str],
+              opset: int | None) -> dict[str, Any]:
+    """export.json's dict; `frontend`: the model file's (features and CMVN statistics, JSON-safe)."""
+    return {
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "model": to_dict(recognizer.model.config),
+        "frontend": {"features": to_dict(recognizer.features), "cmvn": frontend["cmvn"]},
+        "tokenizer": {"vocab_size": recognizer.tokenizer.vocab_size,
+                      "fingerprint": tokenizer_fingerprint(recognizer.tokenizer)},
+        "graphs": files,
+        "int8_graphs": int8_files,
+        "opset": opset,
+    }
+
