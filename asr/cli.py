@@ -170,7 +170,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         raise ValueError("--lm-weight needs --lm LM")
     config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
                                   ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device,
-                                  lm=args.lm, lm_weight=args.lm_weight)
+                                  lm=args.lm, lm_weight=args.lm_weight, int8=args.int8 or None)
     wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads),
                           plot_attention=args.plot_attention or 0)
     if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 wrote them
@@ -192,7 +192,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if not audio:
         raise ValueError("no AUDIO to transcribe")
     flags = {"mode": args.mode, "beam_size": args.beam_size, "lexicon": args.lexicon, "lm": args.lm,
-             "device": args.device}
+             "device": args.device, "int8": args.int8 or None}
     given = [flag for flag, used in (("--lm-weight", args.lm_weight is not None), ("--lm-fusion", args.lm_fusion),
                                      ("--lm-word-bonus", args.lm_word_bonus is not None)) if used]
     if given and not load_decoding_config(args.config, overrides, **flags).lm:
@@ -231,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(max_upload_mb=args.max_upload_mb, max_seconds=args.max_seconds,
                            queue_size=args.queue_size, batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms)
     config = load_decoding_config(args.config, args.overrides, beam_size=args.beam_size, lexicon=args.lexicon,
-                                  lm=args.lm, device=args.device)
+                                  lm=args.lm, device=args.device, int8=args.int8 or None)
     if args.threads:  # the thread policy, once for the whole run: no request changes it
         torch.set_num_threads(args.threads)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options())
@@ -240,6 +240,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"asr serve: listening on {args.host}: whoever reaches this machine can use the server",
               file=sys.stderr)
     run(recognizer, args.host, args.port, options, announce=lambda line: print(line, flush=True))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import warnings
+
+    from asr.export import export_model
+
+    if not args.verbose:  # the exporter's and the quantizer's notes to their developers (skipped ops,
+        # merged initializers, unquantized activations; onnxruntime's on the root logger)
+        for name in ("", "torch.onnx"):  # torch's loggers have their own level
+            logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", module="torch.onnx")
+    print(export_model(args.model, args.out, int8=args.int8))
     return 0
 
 
@@ -301,6 +315,9 @@ def _threads(count: int | None) -> int | None:
     return None
 
 
+MODEL_HELP = "a model file, or a folder written by 'asr export' (onnxruntime, CPU)"
+INT8_HELP = ("int8 weights on the CPU: every weight matmul (decoding.int8=true); with an exported model, its int8 "
+             "graphs")
 THREADS_HELP = ("CPU threads of torch's operators for the whole run (default: torch's, and 1 for a search of "
                 "at most 16 hypotheses, utterances x beam, whose operators are too small to share)")
 
@@ -422,7 +439,7 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                        description="Decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt); "
                        "resumes an interrupted run. 'torchrun --nproc_per_node N -m asr.cli decode ...' shares "
                        "the batches among N processes (one per GPU) with the same results.")
-    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("--model", required=True, metavar="MODEL.pt|DIR", help=MODEL_HELP)
     p.add_argument("--manifest", required=True, metavar="TEST.jsonl")
     p.add_argument("--out-dir", required=True, metavar="DIR")
     p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (asr.decode.DecodingConfig)")
@@ -435,6 +452,7 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available; under torchrun "
                    "each process on cuda:LOCAL_RANK)")
     p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
+    p.add_argument("--int8", action="store_true", help=INT8_HELP)
     p.add_argument("--plot-attention", type=_positive, metavar="N",
                    help="after decoding, draw the decoder's cross-attention (output tokens x encoder frames, a "
                    "panel per layer, mean over heads) of the first N utterances decoded, in manifest order, "
@@ -444,7 +462,7 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("transcribe", help="transcribe audio files with a model file")
-    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("--model", required=True, metavar="MODEL.pt|DIR", help=MODEL_HELP)
     p.add_argument("audio", nargs="+", metavar="AUDIO",
                    help="audio files; decoding.key=value items among them set any decoding option, after --config")
     p.add_argument("--format", choices=["txt", "json", "srt", "vtt", "tsv", "all"], default="txt",
@@ -464,6 +482,7 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    "cost of each word (default: decoding.lm_word_bonus's)")
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
+    p.add_argument("--int8", action="store_true", help=INT8_HELP)
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",
                    help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")
@@ -471,7 +490,7 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_transcribe)
 
     p = sub.add_parser("serve", help="an HTTP API and a web page that transcribe uploads and the microphone")
-    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("--model", required=True, metavar="MODEL.pt|DIR", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port (printed)")
     p.add_argument("--max-upload-mb", type=float, default=50.0, metavar="MB", help="largest upload (default 50)")
@@ -490,9 +509,21 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--threads", type=_positive, metavar="N",
                    help="CPU threads of torch's operators, set once at start-up (default: torch's)")
+    p.add_argument("--int8", action="store_true", help=INT8_HELP)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
                    help="any field of asr.decode.DecodingConfig, after --config")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export", help="export a model file to ONNX graphs run by onnxruntime (pip install -e "
+                       "'.[export]')",
+                       description="Export the encoder, the CTC head and one decoder step to ONNX in DIR, with the "
+                       "tokenizer and the frontend settings; 'asr transcribe --model DIR' runs them with onnxruntime "
+                       "on the CPU.")
+    p.add_argument("--model", required=True, metavar="MODEL.pt")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--int8", action="store_true",
+                   help="also int8 graphs (onnxruntime's dynamic quantization), used when decoding with --int8")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("wer", help="word and character error rates of HYP against REF")
     p.add_argument("ref", metavar="REF", help="Kaldi-style 'ID WORDS' text file, or a manifest")

@@ -7,7 +7,8 @@ and (`--dev`) the WER of each on the synth recipe's dev set. Prints tables and w
 
 Models: "synth" is the recipe's trained model (recipes/synth/exp/synth/model_avg.pt; `--synth-model`)
 on the first `--utts` dev utterances' real audio; "librispeech_100h" is conf/librispeech_100h.yaml
-(the transformer baseline, its 5,000-piece vocabulary) with random weights that never end a
+(the transformer baseline, its 5,000-piece vocabulary) and "librispeech_100h_conformer"
+conf/librispeech_100h_conformer.yaml (the LibriSpeech recipe's default) with random weights that never end a
 hypothesis (eos suppressed), so each runs to the output length of 7.5 pieces per second that
 `max_len_ratio` allows, as a trained model's would, on random normalized features of 5-8 s. Each
 path decodes the same features with the default search (beam 10, CTC weight 0.3) through
@@ -52,10 +53,14 @@ PATHS = ("fp32", "int8", "onnx", "onnx_int8")  # torch float32, torch int8, onnx
 KEYS = ["model", "path", "batch", "utts", "audio_s", "seconds", "rtf", "x_realtime", "speedup"]
 
 
-def random_model_file(folder: Path, vocab_size: int = 5000) -> Path:
-    """conf/librispeech_100h.yaml's model with random weights (eos never chosen) as a model file,
-    with a character tokenizer of vocab_size tokens and unit CMVN statistics."""
-    fields = read_yaml(ROOT / "conf/librispeech_100h.yaml")["model"]
+RANDOM = {"librispeech_100h": "conf/librispeech_100h.yaml",  # the model sizes run with random weights
+          "librispeech_100h_conformer": "conf/librispeech_100h_conformer.yaml"}
+
+
+def random_model_file(folder: Path, name: str, vocab_size: int = 5000) -> Path:
+    """RANDOM[name]'s model with random weights (eos never chosen) as a model file, with a
+    character tokenizer of vocab_size tokens and unit CMVN statistics."""
+    fields = read_yaml(ROOT / RANDOM[name])["model"]
     tokenizer = CharTokenizer([chr(0x4E00 + i) for i in range(vocab_size - 3)])
     config = dataclasses.replace(ModelConfig(**fields), vocab_size=tokenizer.vocab_size, dropout=0.0)
     torch.manual_seed(0)
@@ -65,7 +70,7 @@ def random_model_file(folder: Path, vocab_size: int = 5000) -> Path:
     features = FeatureConfig(n_mels=config.n_mels)
     stats = CMVNStats()
     stats.add(torch.randn(1000, config.n_mels, dtype=torch.float64))
-    path = folder / "librispeech_100h_random.pt"
+    path = folder / f"{name}_random.pt"
     save_atomic(model_file(model=to_dict(config), tokenizer=tokenizer.to_dict(),
                            frontend={"features": to_dict(features), "cmvn": stats.to_dict()},
                            state_dict=model.state_dict()), path)
@@ -153,7 +158,8 @@ def table(rows: list[dict], keys: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="synth,librispeech_100h", help="comma-separated: synth, librispeech_100h")
+    parser.add_argument("--models", default="synth,librispeech_100h,librispeech_100h_conformer",
+                        help="comma-separated: synth, librispeech_100h, librispeech_100h_conformer")
     parser.add_argument("--utts", type=int, default=32, help="utterances of the batched run (default 32)")
     parser.add_argument("--alone", type=int, default=8, help="of them decoded one at a time (default 8)")
     parser.add_argument("--repeat", type=int, default=2, help="runs per measurement, the best kept (default 2)")
@@ -172,8 +178,8 @@ def main() -> None:
                 paths = recognizers(args.synth_model, folder / "onnx", args.threads)
                 _, feats, seconds, _ = synth_inputs(paths["fp32"][0], args.utts)
                 options = {}
-            elif name == "librispeech_100h":
-                paths = recognizers(random_model_file(folder), folder / "onnx", args.threads)
+            elif name in RANDOM:
+                paths = recognizers(random_model_file(folder, name), folder / "onnx", args.threads)
                 config = paths["fp32"][0].model.config
                 feats, seconds = random_inputs(config, args.utts)
                 options = {"max_len_ratio": 7.5 / config.frames_per_second}
