@@ -2,8 +2,8 @@
 
 `quantize_int8(model)` returns a copy of an ASRModel whose weight matmuls run in int8: each
 weight matrix is quantized once, symmetrically per output channel (row), to int8 and prepacked;
-each activation is quantized at every call (dynamic quantization: its range measured then, 8 bits,
-asymmetric), and the int32 products are rescaled to float32 with the bias added. Covered: the
+each activation is quantized at every call (dynamic quantization: its range measured then, 7 bits
+(see below), asymmetric), and the int32 products are rescaled to float32 with the bias added. Covered: the
 attention's packed in-projection (MultiHeadAttention.in_weight, used through F.linear in three
 parts: q, k, v together, q alone, k and v together; each part is packed on its own), the attention
 output projections, the feed-forward layers, the conformer's position projection and pointwise
