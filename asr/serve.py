@@ -22,9 +22,11 @@ waveforms (at most queue_size x max_seconds of 16 kHz float32). The server sets 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
+import signal
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -269,8 +271,9 @@ def _dumps(obj: Any) -> str:
 
 def run(recognizer: Recognizer, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None,
         *, announce: Any = print) -> None:
-    """Serve until interrupted. `port` 0 picks a free one; `announce` is told the address once the
-    socket is bound ("serving on http://HOST:PORT")."""
+    """Serve until interrupted (Ctrl-C) or told to stop (SIGTERM: the requests being decoded are
+    answered and the uploads' folder removed, then it returns). `port` 0 picks a free one;
+    `announce` is told the address once the socket is bound ("serving on http://HOST:PORT")."""
     from aiohttp import web
 
     async def serve() -> None:
@@ -278,10 +281,13 @@ def run(recognizer: Recognizer, host: str = "127.0.0.1", port: int = 8000, optio
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
+        stop = asyncio.Event()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, Windows
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         bound = runner.addresses[0][:2]
         announce(f"serving on http://{_url_host(bound[0])}:{bound[1]}")
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 

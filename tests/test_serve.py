@@ -51,9 +51,10 @@ class Served:
         with urllib.request.urlopen(f"{self.url}/api/health", timeout=10) as response:
             return json.load(response)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM; the exit status (0: it stopped cleanly)."""
         self.process.terminate()
-        self.process.wait(timeout=10)
+        return self.process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_serve_answers_busy_when_the_queue_is_full(spoken_model):
         assert all(body["text"] == spoken_model.texts[1] for status, body, _ in answers if status == 200)
         assert served.post(data)[0] == 200
     finally:
-        served.stop()
+        assert served.stop() == 0
 
 
 def test_load_tool_finds_no_errors(server, spoken_model, tmp_path):
