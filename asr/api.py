@@ -113,7 +113,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", opti
     `options`: the default decoding of `transcribe` (default DecodingOptions(): beam search, beam
     10, CTC weight 0.3; int8=True: int8 weights, asr.quantize); `search_threads`: see
     asr.decoding.DecodingTask."""
-    if os.path.isdir(path):
+    from asr.onnx_model import EXPORT_FILE
+
+    if os.path.isfile(os.path.join(path, EXPORT_FILE)):  # another folder: load_file says it is one
         return _load_exported(path, device, options, search_threads)
     obj = load_file(path)
     source = os.fspath(path)
