@@ -9,16 +9,19 @@ DIR holds (EXPORT_FILE says which graph is which and links them to the rest):
     decoder_init.onnx  memory (B, S, d), memory_lens (B,) -> memory_kv (layers, 2, B, H, S, dh), the
                        cross-attention keys and values of every layer, and memory_mask (B, 1, 1, S)
                        (additive: 0 on valid frames, -inf on padding)
-    decoder_step.onnx  tokens (B, N) int64, past_kv (layers, 2, B, N, t, H, dh), memory_kv, memory_mask
-                       -> log_probs (B, N, V), present_kv (layers, 2, B, N, t + 1, H, dh)
-                       (TransformerDecoder.step_kv: the cache is an argument and a result)
+    decoder_step.onnx  tokens (B, N) int64, self_k_0, self_v_0, ... (B, N, H, C, dh) each layer's cache
+                       buffers of capacity C whose positions [0, t) are filled, length () int64 = t,
+                       memory_k_0, memory_v_0, ... (B, H, S, dh) (memory_kv's parts), memory_mask
+                       -> log_probs (B, N, V), new_kv (layers, 2, B, N, H, dh), the keys and values of
+                       position t (TransformerDecoder.step_kv: the buffers are read in place, never
+                       copied; the caller stores new_kv in them)
     *.int8.onnx        with int8=True: the same graphs with int8 weights (onnxruntime's dynamic
                        quantization of MatMul / Gemm weights, per output channel)
     tokenizer.json     (+ tokenizer.model for sentencepiece): asr.tokenizer's files
     export.json        {"format": "asr-onnx", "version", "model": the model config, "frontend":
                        features + CMVN, "tokenizer": {"vocab_size", "fingerprint"}, "graphs": {name:
                        file}, "int8_graphs", "opset"}
-Every size but the layers, heads and widths is a dynamic axis: B, N, T, T', S, t. The tokenizer's
+Every size but the layers, heads and widths is a dynamic axis: B, N, T, T', S, C. The tokenizer's
 fingerprint (sha256 of its content, `tokenizer_fingerprint`) ties it to the graphs: a tokenizer
 from another model, or one whose vocabulary is not the graphs' V, is refused on loading.
 
@@ -77,9 +80,15 @@ class _DecoderStep(nn.Module):
         super().__init__()
         self.decoder = model.decoder
 
-    def forward(self, tokens: torch.Tensor, past_kv: torch.Tensor, memory_kv: torch.Tensor,
-                memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decoder.step_kv(tokens, past_kv, memory_kv, memory_mask)
+    def forward(self, tokens: torch.Tensor, self_kv: tuple[torch.Tensor, ...], length: torch.Tensor,
+                memory_kv: tuple[torch.Tensor, ...], memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder.step_kv(tokens, self_kv, length, memory_kv, memory_mask)
+
+
+def _step_inputs(layers: int) -> list[str]:
+    """decoder_step.onnx's input names, in order."""
+    parts = [f"{part}_{layer}" for layer in range(layers) for part in ("k", "v")]
+    return ["tokens", *(f"self_{p}" for p in parts), "length", *(f"memory_{p}" for p in parts), "memory_mask"]
 
 
 def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str], list[str]]]:
@@ -90,12 +99,13 @@ def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str
     dim = torch.export.Dim
     batch, rows, time, frames = dim("batch"), dim("beam"), dim("time", min=model.encoder.subsampling.receptive_field), \
         dim("frames")
-    steps = dim("steps")
+    capacity = dim("capacity")
     feats, feat_lens = torch.randn(3, 230, c.n_mels), torch.tensor([230, 180, 120])
     memory, memory_lens = model.encoder(feats, feat_lens)
     memory_kv, memory_mask = _DecoderInit(model)(memory, memory_lens)
     tokens = torch.randint(2, c.vocab_size - 1, (3, 5))
-    past = torch.randn(layers, 2, 3, 5, 4, heads, dh)
+    buffer = tuple(torch.randn(3, 5, heads, 6, dh) for _ in range(2 * layers))  # capacity 6, 4 positions filled
+    memory_parts = tuple(memory_kv.flatten(0, 1))
     return {
         "encoder": (model.encoder, (feats, feat_lens), {"feats": {0: batch, 1: time}, "feat_lens": {0: batch}},
                     ["feats", "feat_lens"], ["memory", "memory_lens"]),
@@ -103,10 +113,11 @@ def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str
         "decoder_init": (_DecoderInit(model), (memory, memory_lens),
                          {"memory": {0: batch, 1: frames}, "memory_lens": {0: batch}},
                          ["memory", "memory_lens"], ["memory_kv", "memory_mask"]),
-        "decoder_step": (_DecoderStep(model), (tokens, past, memory_kv, memory_mask),
-                         {"tokens": {0: batch, 1: rows}, "past_kv": {2: batch, 3: rows, 4: steps},
-                          "memory_kv": {2: batch, 4: frames}, "memory_mask": {0: batch, 3: frames}},
-                         ["tokens", "past_kv", "memory_kv", "memory_mask"], ["log_probs", "present_kv"]),
+        "decoder_step": (_DecoderStep(model), (tokens, buffer, torch.tensor(4), memory_parts, memory_mask),
+                         {"tokens": {0: batch, 1: rows}, "self_kv": ({0: batch, 1: rows, 3: capacity},) * 2 * layers,
+                          "length": {}, "memory_kv": ({0: batch, 2: frames},) * 2 * layers,
+                          "memory_mask": {0: batch, 3: frames}},
+                         _step_inputs(layers), ["log_probs", "new_kv"]),
     }
 
 

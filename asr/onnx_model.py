@@ -4,9 +4,13 @@
 `config`, `encoder(feats, feat_lens) -> (memory, memory_lens)` (with `encoder.subsampling.
 receptive_field`), `ctc_log_probs(memory)`, and `decoder` with `init_cache`, `step` and the
 teacher-forced call (run step by step: ctc_rescore). The beam search is the same code: only the
-cache differs. `OnnxCache` holds the self-attention keys and values as one tensor that each step's
-graph takes and returns one position longer (an exported graph cannot grow a buffer in place);
-`reorder` moves the rows a step's selection changed, as DecoderCache does.
+cache differs. `OnnxCache` holds the self-attention keys and values in a buffer preallocated to a
+capacity (doubled when full), as DecoderCache does: each step's graph reads it in place (each
+layer's keys and values are an input of their own, a contiguous view that onnxruntime takes without
+a copy; the positions not yet filled are masked) and returns only the new position's keys and
+values, which the cache writes into the buffer. A graph that returned the cache one position longer
+copied all of it at every step, which at batch x beam 320 cost more than the graph saved.
+`reorder` moves the rows a step's selection changed, over the filled positions.
 
 Tensors cross to onnxruntime as numpy arrays on the CPU without copies where they are contiguous.
 Each graph gets its own session with `threads` intra-op threads (SessionOptions; no process-wide
@@ -36,7 +40,7 @@ __all__ = ["EXPORT_FILE", "EXPORT_FORMAT", "EXPORT_VERSION", "GRAPHS", "Exported
 
 EXPORT_FILE = "export.json"
 EXPORT_FORMAT = "asr-onnx"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: decoder_step reads a cache buffer and returns the new position only
 GRAPHS = ("encoder", "ctc", "decoder_init", "decoder_step")
 EXTRA = "pip install -e '.[export]'"
 
@@ -111,17 +115,19 @@ class OnnxEncoder:
 class OnnxCache:
     """The decoder's state between exported steps (DecoderCache's fields the search reads)."""
 
-    self_kv: torch.Tensor  # (layers, 2, R, t, H, dh): keys [:, 0], values [:, 1] of the t steps so far
+    self_kv: torch.Tensor  # (layers, 2, R, H, C, dh) zero-initialized: keys [:, 0], values [:, 1]; steps
+    # [0, length) filled, the others 0 (finite: the graph masks them, and 0 x NaN would not be 0)
     memory_kv: torch.Tensor  # (layers, 2, B, H, S, dh)
     memory_mask: torch.Tensor  # (B, 1, 1, S) additive
+    length: int = 0  # steps taken so far = position of the next token
 
     @property
     def rows(self) -> int:
         return self.self_kv.size(2)
 
     @property
-    def length(self) -> int:
-        return self.self_kv.size(3)
+    def capacity(self) -> int:
+        return self.self_kv.size(4)
 
     @property
     def group(self) -> int:
@@ -133,14 +139,25 @@ class OnnxCache:
             utterances = index.view(-1, self.group)[:, 0] // self.group
             self.memory_kv = self.memory_kv.index_select(2, utterances)
             self.memory_mask = self.memory_mask.index_select(0, utterances)
-            self.self_kv = self.self_kv.index_select(2, index)
+            self.self_kv = self.self_kv.index_select(2, index)  # a new buffer: the graph takes it contiguous
             return self
         moved = plan.rows if plan is not None and plan.rows is not None else None
         if moved is None:
             moved = (index != torch.arange(index.numel())).nonzero()[:, 0]
-        if moved.numel():  # the step's graph made self_kv: a tensor of our own, written in place
-            self.self_kv.index_copy_(2, moved, self.self_kv.index_select(2, index[moved]))
+        if moved.numel():
+            filled = self.self_kv[..., :self.length, :]  # (layers, 2, R, H, t, dh)
+            filled.index_copy_(2, moved, filled.index_select(2, index[moved]))  # sources read first
         return self
+
+    def append(self, new_kv: torch.Tensor) -> None:
+        """Store step `length`'s keys and values new_kv (layers, 2, R, H, dh) and advance `length`."""
+        self.self_kv[..., self.length, :] = new_kv
+        self.length += 1
+
+    def reserve(self) -> None:
+        """Room for one more step: the buffer doubled (zeros) when full."""
+        if self.length == self.capacity:
+            self.self_kv = torch.cat([self.self_kv, torch.zeros_like(self.self_kv)], dim=4)
 
 
 class OnnxDecoder:
@@ -152,12 +169,12 @@ class OnnxDecoder:
 
     def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,
                    capacity: int = 64) -> OnnxCache:
-        """An empty cache for `rows` = B * N hypotheses over memory (B, S, d); `capacity` is unused
-        (each step's graph returns the cache one step longer)."""
+        """An empty cache for `rows` = B * N hypotheses over memory (B, S, d), its buffer for
+        `capacity` steps (doubled when exceeded)."""
         if rows % memory.size(0):
             raise ValueError(f"{rows} rows are not a multiple of the {memory.size(0)} utterances of the memory")
         memory_kv, memory_mask = self.init(memory.float(), memory_lens.long())
-        self_kv = memory_kv.new_zeros(self.layers, 2, rows, 0, self.heads, self.dh)
+        self_kv = memory_kv.new_zeros(self.layers, 2, rows, self.heads, max(capacity, 1), self.dh)
         return OnnxCache(self_kv, memory_kv, memory_mask)
 
     def step(self, last_tokens: torch.Tensor, memory: torch.Tensor | None, memory_lens: torch.Tensor | None,
@@ -165,10 +182,12 @@ class OnnxDecoder:
         """Log-probabilities (R, V) of the next token of R hypotheses (TransformerDecoder.step)."""
         if cache is None:
             cache = self.init_cache(memory, memory_lens, rows=last_tokens.size(0))
-        batch, rows, t = cache.memory_kv.size(2), cache.rows, cache.length
-        past = cache.self_kv.view(self.layers, 2, batch, rows // batch, t, self.heads, self.dh)
-        log_probs, present = self.graph(last_tokens.long().view(batch, -1), past, cache.memory_kv, cache.memory_mask)
-        cache.self_kv = present.view(self.layers, 2, rows, t + 1, self.heads, self.dh)
+        cache.reserve()
+        batch, rows = cache.memory_kv.size(2), cache.rows
+        buffers = cache.self_kv.view(-1, batch, rows // batch, self.heads, cache.capacity, self.dh)  # (layers x 2, ...)
+        log_probs, new_kv = self.graph(last_tokens.long().view(batch, -1), *buffers, torch.tensor(cache.length),
+                                       *cache.memory_kv.flatten(0, 1), cache.memory_mask)
+        cache.append(new_kv.view(self.layers, 2, rows, self.heads, self.dh))
         return log_probs.view(rows, -1), cache
 
     def __call__(self, tokens: torch.Tensor, token_lens: torch.Tensor, memory: torch.Tensor,
@@ -236,6 +255,9 @@ def _read_metadata(folder: Path) -> dict[str, Any]:
     if not isinstance(meta.get("version"), int) or meta["version"] > EXPORT_VERSION:
         raise CheckpointError(f"{path}: export version {meta.get('version')!r}, this toolkit reads up to "
                               f"{EXPORT_VERSION}")
+    if meta["version"] < EXPORT_VERSION:  # its decoder_step graph has another signature
+        raise CheckpointError(f"{path}: exported by an older version ({meta['version']}, this toolkit reads "
+                              f"{EXPORT_VERSION}): run asr export again")
     return meta
 
 

@@ -73,13 +73,15 @@ def test_export_matches_pytorch(spoken_model, exported):
 
         rows = 3 * 4  # 3 utterances x 4 hypotheses
         cache = model.decoder.init_cache(memory, memory_lens, rows=rows, capacity=2)
-        state = graphs.decoder.init_cache(memory, memory_lens, rows=rows)
+        state = graphs.decoder.init_cache(memory, memory_lens, rows=rows, capacity=3)  # grown once, at step 3
         tokens = torch.full((rows,), model.config.sos)
         generator = torch.Generator().manual_seed(0)
-        for _ in range(5):
+        for step in range(5):
+            buffer = state.self_kv.data_ptr()
             expected, cache = model.decoder.step(tokens, None, None, cache)
             log_probs, state = graphs.decoder.step(tokens, None, None, state)
             assert (log_probs - expected).abs().max() < 1e-4
+            assert (state.self_kv.data_ptr() == buffer) == (step != 3)  # written in place unless full
             tokens = torch.randint(2, model.config.vocab_size - 1, (rows,), generator=generator)
             order = torch.randperm(rows, generator=generator).view(3, 4).sort(dim=1).values  # within utterances
             order = (order % 4 + torch.arange(3)[:, None] * 4).flatten()
@@ -89,6 +91,33 @@ def test_export_matches_pytorch(spoken_model, exported):
     assert texts == [r.text for r in torch_model.transcribe(spoken_model.audio)] == spoken_model.texts
     onnx_model.options = DecodingOptions(int8=True)
     assert [r.text for r in onnx_model.transcribe(spoken_model.audio)] == spoken_model.texts
+
+
+def test_exported_step_reads_the_cache_and_returns_one_position(exported, tmp_path):
+    """A step's cost does not grow with a copy of the cache: the step graph's only cache output is the
+    new position's keys and values, (layers, 2, B, N, H, dh) with no time axis. A folder exported by
+    the previous version (whose step returned the whole cache) is refused with one line."""
+    import onnx
+
+    from asr.onnx_model import EXPORT_FILE
+
+    meta = json.loads((exported / EXPORT_FILE).read_text())
+    model = meta["model"]
+    step = onnx.load(str(exported / "decoder_step.onnx"), load_external_data=False)
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in [*step.graph.input, *step.graph.output]}
+    batch, beam = shapes["tokens"]
+    assert [v.name for v in step.graph.output] == ["log_probs", "new_kv"]
+    assert shapes["new_kv"] == [model["decoder_layers"], 2, batch, beam, model["n_heads"],
+                                model["d_model"] // model["n_heads"]]
+    assert isinstance(shapes["self_k_0"][3], str)  # the capacity: dynamic, and in no output
+
+    folder = tmp_path / "old"
+    shutil.copytree(exported, folder)
+    meta["version"] -= 1
+    (folder / EXPORT_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"export\.json: exported by an older version .*run asr export again$"):
+        load_model(folder)
 
 
 def test_exported_model_refuses_a_mismatched_tokenizer(exported, tmp_path):

@@ -294,27 +294,41 @@ class TransformerDecoder(nn.Module):
         cache.length += 1
         return self._log_probs(x[:, 0]), cache
 
-    def step_kv(self, tokens: torch.Tensor, past_kv: torch.Tensor, memory_kv: torch.Tensor,
-                memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_kv(self, tokens: torch.Tensor, self_kv: tuple[torch.Tensor, ...], length: torch.Tensor,
+                memory_kv: tuple[torch.Tensor, ...], memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`step` with its cache as arguments and results, no state (the graph asr.export writes).
 
         tokens (B, N) long: the latest token of N hypotheses per utterance, all at position t;
-        past_kv (layers, 2, B, N, t, H, dh): the self-attention keys [:, 0] and values [:, 1] of
-        the steps so far (DecoderCache.self_kv's steps, its R rows as (B, N)); memory_kv
-        (layers, 2, B, H, S, dh) and memory_mask (B, 1, 1, S) additive, as `init_cache` makes them.
-        Returns the log-probabilities (B, N, V) float32 and present_kv (layers, 2, B, N, t + 1, H, dh).
+        self_kv: 2 x layers tensors (B, N, H, C, dh), layer l's keys at 2 l and values at 2 l + 1,
+        buffers of capacity C > t whose positions [0, t) hold the steps so far and whose other
+        positions are finite (they are masked out); length: t, an int64 scalar; memory_kv: 2 x
+        layers tensors (B, H, S, dh), the cross-attention keys and values in the same order, and
+        memory_mask (B, 1, 1, S) additive, as `init_cache` makes them.
+        Returns the log-probabilities (B, N, V) float32 and the new position's keys and values
+        new_kv (layers, 2, B, N, H, dh), which the caller stores at position t of its buffers.
+
+        The buffers are only read: the new position is attended separately (its score joins the
+        buffer's in the softmax), so a step neither concatenates nor returns the cache; each layer's
+        keys and values are inputs of their own in the (H, C, dh) layout the attention matmuls
+        take, so the graph slices (copies) none of them.
         """
         b, n = tokens.shape
-        t, heads, dh = past_kv.size(4), past_kv.size(5), past_kv.size(6)
-        position = sinusoidal_positions(torch.arange(t, t + 1, device=tokens.device), self.d_model)  # (1, d)
-        x = self._embed(tokens.reshape(b * n, 1), position)  # (R, 1, d)
-        present = []
+        heads, capacity, dh = self_kv[0].shape[2:]
+        x = self._embed(tokens.reshape(b * n, 1), sinusoidal_positions(length.view(1), self.d_model))  # (R, 1, d)
+        past = torch.arange(capacity, device=tokens.device) < length  # (C,) the filled positions
+        past_mask = torch.zeros(capacity, device=tokens.device).masked_fill(~past, float("-inf"))
+        scale = dh ** -0.5
+        new_kv = []
         for index, layer in enumerate(self.layers):
             q, kv = layer.self_attn.q_kv(layer.norm1(x))  # (R, H, 1, dh), (R, 1, 2, H, dh)
-            new = kv.reshape(b, n, 1, 2, heads, dh).permute(3, 0, 1, 2, 4, 5)  # (2, B, N, 1, H, dh)
-            layer_kv = torch.cat([past_kv[index], new], dim=3)  # (2, B, N, t + 1, H, dh)
-            present.append(layer_kv)
-            keys, values = layer_kv.reshape(2, b * n, t + 1, heads, dh).transpose(2, 3)  # (R, H, t + 1, dh) each
-            x = x + layer.self_attn.attend(q, keys, values)
-            x = layer._cross_and_ffn(x, memory_kv[index, 0], memory_kv[index, 1], memory_mask)
-        return self._log_probs(x[:, 0]).view(b, n, -1), torch.stack(present)
+            new = kv.reshape(b * n, 2, heads, 1, dh)
+            new_kv.append(new)
+            keys, values = (c.reshape(b * n, heads, capacity, dh) for c in self_kv[2 * index:2 * index + 2])
+            scores = torch.cat([q @ keys.transpose(-2, -1) * scale + past_mask,  # (R, H, 1, C + 1)
+                                q @ new[:, 0].transpose(-2, -1) * scale], dim=-1)
+            weights = scores.softmax(dim=-1)
+            y = weights[..., :capacity] @ values + weights[..., capacity:] * new[:, 1]  # (R, H, 1, dh)
+            x = x + layer.self_attn.out_proj(y.transpose(1, 2).reshape(b * n, 1, -1))
+            x = layer._cross_and_ffn(x, memory_kv[2 * index], memory_kv[2 * index + 1], memory_mask)
+        new_kv = torch.stack(new_kv).view(len(self.layers), b, n, 2, heads, dh).permute(0, 3, 1, 2, 4, 5)
+        return self._log_probs(x[:, 0]).view(b, n, -1), new_kv.contiguous()
