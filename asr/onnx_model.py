@@ -43,6 +43,7 @@ EXPORT_FORMAT = "asr-onnx"
 EXPORT_VERSION = 2  # 2: decoder_step reads a cache buffer and returns the new position only
 GRAPHS = ("encoder", "ctc", "decoder_init", "decoder_step")
 EXTRA = "pip install -e '.[export]'"
+FIRST_CAPACITY = 16  # steps an OnnxCache's buffer holds at first
 
 
 def require_extra(*modules: str) -> None:
@@ -170,11 +171,14 @@ class OnnxDecoder:
     def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,
                    capacity: int = 64) -> OnnxCache:
         """An empty cache for `rows` = B * N hypotheses over memory (B, S, d), its buffer for
-        `capacity` steps (doubled when exceeded)."""
+        `capacity` steps but at most FIRST_CAPACITY (doubled when exceeded): the graph attends over
+        the whole buffer (masked), so one sized for the search's max_len would waste work on
+        hypotheses that end much sooner."""
         if rows % memory.size(0):
             raise ValueError(f"{rows} rows are not a multiple of the {memory.size(0)} utterances of the memory")
         memory_kv, memory_mask = self.init(memory.float(), memory_lens.long())
-        self_kv = memory_kv.new_zeros(self.layers, 2, rows, self.heads, max(capacity, 1), self.dh)
+        capacity = min(max(capacity, 1), FIRST_CAPACITY)
+        self_kv = memory_kv.new_zeros(self.layers, 2, rows, self.heads, capacity, self.dh)
         return OnnxCache(self_kv, memory_kv, memory_mask)
 
     def step(self, last_tokens: torch.Tensor, memory: torch.Tensor | None, memory_lens: torch.Tensor | None,
