@@ -93,6 +93,7 @@ class Server:
         self._seconds_per_request = 1.0  # running estimate, for Retry-After
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="asr-decode")  # the model's one thread
         self._uploads = tempfile.TemporaryDirectory(prefix="asr-serve-")
+        self._pages = {route: (WEB / name).read_bytes() for route, (name, _) in PAGES.items()}  # read once
 
     def app(self) -> Any:
         from aiohttp import web
@@ -121,8 +122,7 @@ class Server:
     async def handle_page(self, request: Any) -> Any:
         from aiohttp import web
 
-        name, kind = PAGES[request.path]
-        return web.Response(body=(WEB / name).read_bytes(), content_type=kind, charset="utf-8",
+        return web.Response(body=self._pages[request.path], content_type=PAGES[request.path][1], charset="utf-8",
                             headers={"Cache-Control": "no-cache"})
 
     async def handle_health(self, request: Any) -> Any:
