@@ -51,6 +51,7 @@ from asr.checkpoint import (
     save_checkpoint,
 )
 from asr.config import to_dict
+from asr.corpora import speed_perturb
 from asr.curriculum import split_epochs, split_utterances
 from asr.dataset import derive_seed
 from asr.device_frontend import DeviceFrontend
@@ -139,10 +140,11 @@ def _loader(run: _Run, utts: list, *, training: bool, sharded: bool = True, arch
 def _split_loader(run: _Run, state: _State, utts: list, archive: FeatureArchive | None) -> tuple[Any, int] | None:
     """The length curriculum (training.split_hours): the loader of the training utterances cut
     into pieces, and for how many epochs (asr.curriculum.split_epochs); None when there are no
-    such epochs left or no utterance is long enough to split. The pieces' features come from their
-    audio (an archive holds whole utterances)."""
-    tc = run.config.training
-    epochs = split_epochs(utts, tc.split_hours)
+    such epochs left or no utterance is long enough to split. The hours are those an epoch trains on
+    (data.speed_perturb's copies counted). The pieces' features come from their audio (an archive
+    holds whole utterances)."""
+    tc, speeds = run.config.training, run.config.data.speed_perturb
+    epochs = split_epochs(speed_perturb(utts, speeds) if speeds else utts, tc.split_hours)
     if state.epoch >= epochs:
         return None
     pieces = split_utterances(utts, tc.split_seconds)

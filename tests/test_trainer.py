@@ -586,6 +586,17 @@ def test_the_length_curriculum_trains_on_pieces_first(tmp_path):
     assert again.returncode == 0 and "pieces" not in again.stderr, again.stderr[-2000:]
 
 
+def test_the_curriculum_counts_the_speed_perturbed_copies(tmp_path):
+    """With data.speed_perturb an epoch trains on the copies too: split_hours of audio is fewer epochs."""
+    manifest = make_corpus(tmp_path / "data", n=2)
+    heard = (1.0 + 1.1) * (1 / 0.9 + 1 + 1 / 1.1) / 3600  # one epoch, the copies included
+    out = asr_train(manifest, tmp_path / "exp", "training.epochs=2", "training.split_seconds=0.4",
+                    f"training.split_hours={heard}", "data.speed_perturb=[0.9,1.1]", "training.checkpoint_every=0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epochs 1-1: the 2 training utterances as 4 pieces" in out.stderr, out.stderr[-2000:]
+    assert "whole utterances from epoch 2" in out.stderr
+
+
 def test_records_give_both_losses_per_target_token():
     """Training and validation records normalize CTC as attention: per target token (eos included),
     whatever the utterances' length; "loss" is their weighted sum in both."""
