@@ -12,11 +12,13 @@ its plateau and what the model scores on dev. Prints a table, writes OUT/learnin
    accents) spoken by the training accents' voices (recipes/synth/local/synthesize.py, test split
    empty), into OUT/data; with --data, that folder's train.jsonl and dev.jsonl. Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
-   training features, as recipes/synth/run.sh makes them.
+   training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
+   (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.
 3. Training: --steps optimizer steps (training.max_steps: the schedule spans them) with --nproc
    processes (default 2, one thread each: the synth recipe's way on 2 cores), then the last 5
    checkpoints averaged.
-4. Dev decoded open vocabulary (no lexicon, no LM) at beam 10 with conf/decode/synth.yaml's search.
+4. Dev decoded open vocabulary (no lexicon, no LM) with --decode-config (conf/decode/small.yaml: beam
+   10, CTC weight 0.4).
 
 The plateau: CTC loss per token near ln V (chance, V = the tokenizer's vocabulary). The table
 gives the first logged training step, and the first validation (at each epoch's end), whose CTC
@@ -37,11 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asr.checkpoint import load_file  # noqa: E402
+from asr.corpora import speed_perturb  # noqa: E402
+from asr.manifest import read_manifest, write_manifest  # noqa: E402
 from asr.train_config import load_experiment_config  # noqa: E402
 from asr.train_log import read_records  # noqa: E402
 
 SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
-DECODE_CONFIG = ROOT / "conf" / "decode" / "synth.yaml"
 
 
 def run(cmd: list, log: Path, env: dict | None = None) -> None:
@@ -77,18 +80,32 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
     return data
 
 
-def prepare(config, corpus: Path, out: Path, log: Path) -> tuple[Path, Path, Path]:
-    """(tokenizer folder, CMVN file, features folder) for the config, made once."""
+def training_manifest(corpus: Path, out: Path, speeds: list[float] | None) -> Path:
+    """corpus/train.jsonl, or with the config's data.speed_perturb OUT/train_sp<speeds>.jsonl: it and
+    a copy of every utterance at each speed (asr.corpora.speed_perturb; the trainer adds none again),
+    so that the dumped features cover the copies."""
+    train = corpus / "train.jsonl"
+    if not speeds:
+        return train
+    path = out / f"train_sp{'_'.join(f'{s:g}' for s in speeds)}.jsonl"
+    if not path.is_file():
+        write_manifest(speed_perturb(read_manifest(train), speeds), path)  # audio paths absolute
+    return path
+
+
+def prepare(config, corpus: Path, train: Path, out: Path, log: Path) -> tuple[Path, Path, Path]:
+    """(tokenizer folder, CMVN file, features folder) for the config and the training manifest
+    `train`, made once; the tokenizer learns corpus/train.jsonl's text."""
     t = config.tokenizer
     lang = out / (f"lang_{t.kind}" + ("" if t.kind == "char" else str(t.vocab_size)))
     if not (lang / "tokenizer.json").is_file():
         size = [] if t.kind == "char" else ["--vocab-size", t.vocab_size]
         run(["asr", "tokenizer", "--manifest", corpus / "train.jsonl", "--kind", t.kind, *size, "--out", lang], log)
     n_mels = config.data.features.n_mels
-    cmvn, feats = out / f"cmvn{n_mels}.json", out / f"feats{n_mels}"
+    tag = "" if train.name == "train.jsonl" else "_" + train.stem.removeprefix("train_")
+    cmvn, feats = out / f"cmvn{n_mels}{tag}.json", out / f"feats{n_mels}{tag}"
     if not cmvn.is_file():
-        run(["asr", "cmvn", "--manifest", corpus / "train.jsonl", "--n-mels", n_mels, "--out", cmvn,
-             "--dump-feats", feats], log)
+        run(["asr", "cmvn", "--manifest", train, "--n-mels", n_mels, "--out", cmvn, "--dump-feats", feats], log)
     return lang, cmvn, feats
 
 
@@ -110,7 +127,8 @@ def main() -> None:
     p.add_argument("--num-dev", type=int, default=150, help="held-out sentences of --text for dev")
     p.add_argument("--num-train", type=int, default=0, help="training utterances (default: every other line once)")
     p.add_argument("--config", default=str(ROOT / "conf" / "small.yaml"))
-    p.add_argument("--steps", type=int, default=5000, help="optimizer steps (the run's budget)")
+    p.add_argument("--steps", type=int, default=6000, help="optimizer steps (the run's budget)")
+    p.add_argument("--decode-config", default=str(ROOT / "conf" / "decode" / "small.yaml"))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--below", type=float, default=0.5, help="off the plateau: CTC loss per token < this x ln V")
     p.add_argument("--seed", type=int, default=0)
@@ -125,20 +143,21 @@ def main() -> None:
     overrides = [*args.overrides, f"training.max_steps={args.steps}", "training.epochs=100000"]
     config = load_experiment_config(args.config, overrides)
     corpus = make_data(args, out / "data", log)
-    lang, cmvn, feats = prepare(config, corpus, out, log)
+    train = training_manifest(corpus, out, config.data.speed_perturb)
+    lang, cmvn, feats = prepare(config, corpus, train, out, log)
     exp = out / "exp"
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
     started = time.time()
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", 1, "--nproc-per-node", args.nproc,
-         "-m", "asr.cli", "train", "--config", args.config, "--train", corpus / "train.jsonl",
+         "-m", "asr.cli", "train", "--config", args.config, "--train", train,
          "--valid", corpus / "dev.jsonl", "--exp-dir", exp, "--tokenizer", lang, "--cmvn", cmvn, "--feats", feats,
          f"training.num_threads={threads}", *overrides], log, env)
     train_seconds = time.time() - started
     run(["asr", "average", "--exp-dir", exp, "--by", "last", "--num", 5], log)
     decoded = out / "decode_dev"
     run(["asr", "decode", "--model", exp / "model_avg.pt", "--manifest", corpus / "dev.jsonl", "--out-dir", decoded,
-         "--config", DECODE_CONFIG, "--beam-size", 10], log)
+         "--config", args.decode_config], log)
 
     records = read_records(exp / "metrics.jsonl")
     chance = math.log(load_file(exp / "model_last.pt")["model"]["vocab_size"])  # ln V
@@ -146,7 +165,9 @@ def main() -> None:
     scores = json.loads((decoded / "wer.json").read_text())
     valid = [r for r in records if r["kind"] == "valid"]
     report = {
-        "config": args.config, "overrides": args.overrides, "corpus": str(corpus), "steps": args.steps,
+        "config": args.config, "overrides": args.overrides, "decode_config": args.decode_config,
+        "corpus": str(corpus), "train": str(train),
+        "steps": args.steps,
         "train_minutes": round(train_seconds / 60, 1), "chance": chance, "below": args.below,
         "plateau_left_at": plateau, "warnings": [r for r in records if r["kind"] == "warning"],
         "dev": {"cer": scores["cer"], "wer": scores["wer"], "utterances": scores["utterances"]},
@@ -163,7 +184,7 @@ def main() -> None:
     print(f"{'CTC < ' + f'{args.below:g} ln V, train':<28} {share(plateau['train'])}")
     print(f"{'CTC < ' + f'{args.below:g} ln V, dev':<28} {share(plateau['valid'])}")
     print(f"{'plateau warning':<28} {'yes' if report['warnings'] else 'no'}")
-    print(f"{'dev CER / WER (beam 10)':<28} {100 * scores['cer']:.1f}% / {100 * scores['wer']:.1f}%")
+    print(f"{'dev CER / WER':<28} {100 * scores['cer']:.1f}% / {100 * scores['wer']:.1f}%")
     print(f"report: {out / 'learning_check.json'}")
 
 
