@@ -171,7 +171,7 @@ def test_vtt_and_srt_parse_back(tmp_path):
 def test_word_timestamps_match_synthesis_events():
     """A tiny model overfit on 24 eSpeak NG utterances (the synth recipe's generator, two voices):
     its CTC alignment of their transcripts puts the words' starts within about 1 encoder frame (at
-    most 1.25 frames, 50 ms at 4x: runs vary around 1) of where eSpeak started them (its word events,
+    most 1.25 frames, 50 ms at 4x: one run gave 1.06) of where eSpeak started them (its word events,
     as the synth recipe records them) on the median, and 90% of them within 3 frames. Fewer
     utterances let a self-attention encoder memorize them with its CTC spikes shifted in time: more
     of them (different sentences share words at different places) pin the spikes to the sound."""

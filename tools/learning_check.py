@@ -166,8 +166,7 @@ def main() -> None:
     valid = [r for r in records if r["kind"] == "valid"]
     report = {
         "config": args.config, "overrides": args.overrides, "decode_config": args.decode_config,
-        "corpus": str(corpus), "train": str(train),
-        "steps": args.steps,
+        "corpus": str(corpus), "train": str(train), "steps": args.steps,
         "train_minutes": round(train_seconds / 60, 1), "chance": chance, "below": args.below,
         "plateau_left_at": plateau, "warnings": [r for r in records if r["kind"] == "warning"],
         "dev": {"cer": scores["cer"], "wer": scores["wer"], "utterances": scores["utterances"]},
