@@ -10,7 +10,8 @@ __all__ = ["load_model", "transcribe", "__version__"]
 
 
 def load_model(path, device="cpu"):
-    """Load a model file written by `asr train` / `asr average`; returns a Recognizer."""
+    """Load a model file written by `asr train` / `asr average`, or a folder written by `asr export`;
+    returns a Recognizer (asr.api)."""
     from asr.api import load_model as _load
 
     return _load(path, device=device)

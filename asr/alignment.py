@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from asr.model import ASRModel, ctc_feasible
+from asr.inference import InferenceModel
+from asr.model import ctc_feasible
 from asr.tokenizer import SPACE, Tokenizer
 from asr.tokens import BLANK, real_tokens
 
@@ -87,11 +88,11 @@ def ctc_viterbi(log_probs: torch.Tensor, lengths: torch.Tensor, targets: torch.T
     return path
 
 
-def frame_centres(model: ASRModel, frames: int, frame_length_ms: float) -> torch.Tensor:
+def frame_centres(model: InferenceModel, frames: int, frame_length_ms: float) -> torch.Tensor:
     """Seconds (frames,) float64: the centre of what each encoder frame sees (see the module
     docstring), for feature frames of `frame_length_ms` every model.config.frame_shift_ms."""
     rate, shift = model.config.subsampling, model.config.frame_shift_ms
-    right_context = model.encoder.subsampling.receptive_field - 1  # feature frames beyond the first
+    right_context = model.min_frames - 1  # feature frames beyond the first
     offset = (right_context * shift + frame_length_ms) / 2
     return (torch.arange(frames, dtype=torch.float64) * rate * shift + offset) / 1000.0
 
@@ -120,7 +121,7 @@ def word_groups(tokens: Sequence[int], tokenizer: Tokenizer) -> list[tuple[str, 
 
 
 @torch.no_grad()
-def align_words(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+def align_words(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                 token_lists: Sequence[Sequence[int]], tokenizer: Tokenizer, durations: Sequence[float], *,
                 frame_length_ms: float = 25.0) -> list[list[Word]]:
     """The words of each utterance's tokens with their times (seconds from the utterance's start,

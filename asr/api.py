@@ -6,16 +6,20 @@
         print(result.path, result.error or result.text)
 
 Every input is read block by block (asr.audio.iter_blocks), cut into segments at pauses
-(energy-based, at most `SegmentOptions.max_seconds` long, a tiny last piece joined to the one
-before), and the segments of all inputs are decoded in batches, so memory is bounded by the
-segment and batch sizes, never by the length of a recording. A segment too short or too quiet
-to hold speech gives "" without being decoded.
+(asr.segmentation: energy-based, at most `SegmentOptions.max_seconds` long, a tiny last piece
+joined to the one before), and the segments of all inputs are decoded in batches, so memory is
+bounded by the segment and batch sizes, never by the length of a recording. A segment too short or
+too quiet to hold speech gives "" without being decoded. asr.formats writes the results as text,
+json or subtitles.
+
+A model file and an export folder are read by one helper (asr.model_parts.read_parts); either
+model decodes through the same asr.decoding.DecodingTask (the inference contract,
+asr.inference.InferenceModel).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,43 +31,26 @@ import torch
 from asr.alignment import Word
 from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, to_mono_16k
 from asr.checkpoint import CheckpointError, load_file
-from asr.config import from_dict
+from asr.dataset import ASRDataset
 from asr.decoding import DecodingOptions, DecodingTask
-from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
+from asr.features import FeatureConfig, GlobalCMVN, fbank
+from asr.inference import InferenceModel
 from asr.lexicon import Lexicon
 from asr.lm import LMError, NgramLM
+from asr.manifest import Utterance
 from asr.model import ASRModel, ModelConfig
+from asr.model_parts import read_parts
 from asr.neural_lm import NeuralLM, is_neural_lm, load_neural_lm
 from asr.quantize import int8_model
 from asr.search import Hypothesis
-from asr.tokenizer import Tokenizer, tokenizer_from_dict
+from asr.segmentation import SegmentOptions, has_speech, segment_audio
+from asr.tokenizer import Tokenizer
 
-__all__ = ["FORMATS", "Recognizer", "Result", "Segment", "SegmentOptions", "Word", "format_results", "load_model",
-           "resolve_device", "result_dict", "segment_audio"]
+__all__ = ["Recognizer", "Result", "Segment", "Word", "load_model", "resolve_device"]
 
-FORMATS = ("txt", "json", "srt", "vtt", "tsv")
-FRAME = SAMPLE_RATE // 100  # 10 ms: the frame of the energy measure
 _INPUT_ERRORS = (AudioError, OSError, TypeError, ValueError)  # what a bad input raises
 
 AudioInput = str | os.PathLike | tuple[Any, int]  # a path, or (waveform, sample_rate)
-
-
-@dataclass(frozen=True)
-class SegmentOptions:
-    """How long inputs are cut (energy-based voice activity, no model)."""
-
-    max_seconds: float = 20.0  # longest segment decoded at once
-    min_seconds: float = 1.0  # no cut closer than this to a segment's start; a shorter last piece joins the previous
-    pause_db: float = 30.0  # frames this much quieter than the loud frames (95th percentile) are pauses
-    speech_db: float = -50.0  # dBFS: a segment whose loudest 10 ms frame is quieter holds no speech
-    block_seconds: float = 30.0  # audio read at a time
-
-    def __post_init__(self) -> None:
-        if not 0 < self.min_seconds < self.max_seconds:
-            raise ValueError(f"segmentation: need 0 < min_seconds ({self.min_seconds}) "
-                             f"< max_seconds ({self.max_seconds})")
-        if self.block_seconds <= 0 or self.pause_db <= 0:
-            raise ValueError("segmentation: block_seconds and pause_db must be positive")
 
 
 class Segment(NamedTuple):
@@ -112,27 +99,14 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", opti
     a folder written by `asr export` (run by onnxruntime on the CPU: asr.onnx_model.load_exported).
     `options`: the default decoding of `transcribe` (default DecodingOptions(): beam search, beam
     10, CTC weight 0.3; int8=True: int8 weights, asr.quantize); `search_threads`: see
-    asr.decoding.DecodingTask."""
+    asr.decoding.DecodingTask (asr.decoding.thread_policy(threads) gives the commands' policy)."""
     from asr.onnx_model import EXPORT_FILE
 
     if os.path.isfile(os.path.join(path, EXPORT_FILE)):  # another folder: load_file says it is one
         return _load_exported(path, device, options, search_threads)
     obj = load_file(path)
     source = os.fspath(path)
-    try:
-        config = from_dict(ModelConfig, obj["model"], source=source, prefix="model.")
-        features = from_dict(FeatureConfig, obj["frontend"]["features"], source=source, prefix="frontend.features.")
-        cmvn = GlobalCMVN(CMVNStats.from_dict(obj["frontend"]["cmvn"]))
-        tokenizer = tokenizer_from_dict(obj["tokenizer"])
-    except (KeyError, TypeError, ValueError) as e:
-        reason = f"missing {e}" if isinstance(e, KeyError) else str(e).removeprefix(f"{source}: ")
-        raise CheckpointError(f"{source}: not a usable model file ({reason})") from None
-    if tokenizer.vocab_size != config.vocab_size:
-        raise CheckpointError(f"{source}: a tokenizer of {tokenizer.vocab_size} tokens for a model of "
-                              f"{config.vocab_size}")
-    if not features.n_mels == config.n_mels == cmvn.mean.numel():
-        raise CheckpointError(f"{source}: {features.n_mels} mel bins in the frontend, {cmvn.mean.numel()} in its "
-                              f"CMVN statistics, {config.n_mels} in the model")
+    config, tokenizer, features, cmvn = read_parts(obj, source, what="model file")
     return Recognizer(_model(config, obj["state_dict"], source), tokenizer, features, cmvn,
                       device=resolve_device(device), options=options, search_threads=search_threads)
 
@@ -171,10 +145,12 @@ def _model(config: ModelConfig, state_dict: Any, source: str) -> ASRModel:
 
 
 class Recognizer:
-    """A model with its frontend (fbank + CMVN) and tokenizer, ready to decode; eval mode. It keeps
-    the word lists and LMs it has loaded, and makes the decoding task of a set of options."""
+    """A model (asr.inference.InferenceModel: a PyTorch ASRModel or an exported OnnxModel, each with
+    `to` and `eval`) with its frontend (fbank + CMVN) and tokenizer, ready to decode; eval mode. It turns audio into the
+    model's normalized features (`feats`, `dataset`), keeps the word lists and LMs it has loaded,
+    and makes the decoding task of a set of options."""
 
-    def __init__(self, model: ASRModel, tokenizer: Tokenizer, features: FeatureConfig, cmvn: GlobalCMVN, *,
+    def __init__(self, model: InferenceModel, tokenizer: Tokenizer, features: FeatureConfig, cmvn: GlobalCMVN, *,
                  device: torch.device | None = None, options: DecodingOptions | None = None,
                  search_threads: int | None = None) -> None:
         self.device = device or torch.device("cpu")
@@ -184,7 +160,8 @@ class Recognizer:
         self.search_threads = search_threads
         self._lexicons: dict[str, tuple[tuple[int, ...] | None, Lexicon]] = {}  # path: (file stamp, compiled)
         self._lms: dict[str, tuple[tuple[int, ...] | None, NgramLM | NeuralLM]] = {}  # path: (file stamp, model)
-        self._int8: ASRModel | None = None  # the int8 copy of the model, made by the first int8 task
+        self._int8: InferenceModel | None = None  # the int8 copy of the model, made by the first int8 task
+        self._cpu_cmvn: GlobalCMVN | None = None  # for loader workers (`dataset`)
 
     def transcribe(
         self,
@@ -239,11 +216,21 @@ class Recognizer:
                 segmentation: SegmentOptions) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         """(first sample, samples, features; None when it holds no speech) of each segment of an input."""
         for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds), segmentation):
-            yield start, wave.numel(), self.feats(wave) if _has_speech(wave, segmentation.speech_db) else None
+            yield start, wave.numel(), self.feats(wave) if has_speech(wave, segmentation.speech_db) else None
 
     def feats(self, wave: torch.Tensor) -> torch.Tensor:
-        """(T,) 16 kHz waveform -> (frames, n_mels) normalized features on the device."""
+        """(T,) 16 kHz waveform -> (frames, n_mels) normalized features on the device (frames =
+        0 for a waveform shorter than one window)."""
         return self.cmvn(fbank(wave.to(self.device), self.features))
+
+    def dataset(self, utts: Sequence[Utterance]) -> ASRDataset:
+        """The manifest utterances' normalized features, as `feats` gives them but computed on the
+        CPU where the dataset is read (a DataLoader's workers): index i -> asr.dataset.Example (feats
+        (frames, n_mels), no tokens) or Skipped (unusable audio, with the reason). Move the features
+        to `self.device` to decode them."""
+        if self._cpu_cmvn is None:
+            self._cpu_cmvn = copy.deepcopy(self.cmvn).cpu()
+        return ASRDataset(utts, None, features=self.features, cmvn=self._cpu_cmvn)
 
     def task(self, options: DecodingOptions | None = None) -> DecodingTask:
         """The decoding task of `options` (default: this recognizer's) with this model, its word
@@ -399,131 +386,3 @@ def _blocks(item: AudioInput, raw: RawFormat | None, block_seconds: float) -> It
         raise TypeError(f"expected a path or a (waveform, sample_rate) pair, got {type(item).__name__}")
     wave = to_mono_16k(item[0], int(item[1]))
     yield from wave.split(max(1, int(block_seconds * SAMPLE_RATE)))
-
-
-# ---------------------------------------------------------------------------------------------
-# segmentation
-
-
-def frame_db(wave: torch.Tensor) -> torch.Tensor:
-    """Energy (F,) in dBFS of the whole 10 ms frames of a (T,) waveform in [-1, 1]."""
-    frames = wave[: wave.numel() // FRAME * FRAME].view(-1, FRAME)
-    return 10.0 * torch.log10(frames.square().mean(dim=1) + 1e-10)
-
-
-def _has_speech(wave: torch.Tensor, speech_db: float) -> bool:
-    db = frame_db(wave)
-    return db.numel() > 0 and float(db.max()) >= speech_db
-
-
-def segment_audio(blocks: Iterable[torch.Tensor], options: SegmentOptions) -> Iterator[tuple[int, torch.Tensor]]:
-    """Consecutive segments (first sample, (T,) waveform) of the 16 kHz stream `blocks`.
-
-    Whenever max_seconds are buffered, a segment is cut at the middle of the longest pause that
-    starts at least min_seconds in (the quietest frame when there is no pause). A last piece
-    shorter than min_seconds joins the segment before it. Memory: max_seconds plus one block.
-    """
-    longest, shortest = int(options.max_seconds * SAMPLE_RATE), int(options.min_seconds * SAMPLE_RATE)
-    buffer, offset = torch.zeros(0), 0  # offset: first sample of the buffer
-    held: tuple[int, torch.Tensor] | None = None  # the last segment, until we know no tiny piece follows
-    for block in blocks:
-        buffer = torch.cat([buffer, block])
-        while buffer.numel() >= longest:
-            cut = _cut_point(buffer[:longest], shortest, options.pause_db)
-            if held is not None:
-                yield held
-            held, buffer, offset = (offset, buffer[:cut]), buffer[cut:], offset + cut
-    if held is not None and 0 < buffer.numel() < shortest:
-        held = (held[0], torch.cat([held[1], buffer]))
-    elif buffer.numel():
-        if held is not None:
-            yield held
-        held = (offset, buffer)
-    if held is not None:
-        yield held
-
-
-def _cut_point(window: torch.Tensor, shortest: int, pause_db: float) -> int:
-    """Sample where a segment beginning `window` ends: the middle of the longest run of pause
-    frames after `shortest` samples (the latest of equal runs), else the quietest frame there."""
-    db = frame_db(window)  # (F,)
-    first = -(-shortest // FRAME)  # first frame allowed
-    quiet = db < torch.quantile(db, 0.95) - pause_db
-    quiet[:first] = False
-    if not bool(quiet.any()):
-        return (first + int(db[first:].argmin())) * FRAME
-    edges = torch.diff(torch.cat([quiet.new_zeros(1), quiet, quiet.new_zeros(1)]).int())  # +1 run starts, -1 ends
-    starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
-    best = int(((ends - starts) * db.numel() + starts).argmax())  # longest run; among equals the latest
-    return int(starts[best] + ends[best]) // 2 * FRAME
-
-
-# ---------------------------------------------------------------------------------------------
-# output formats
-
-
-def format_results(results: Sequence[Result], fmt: str) -> str:
-    """Results as text: "txt" (the transcript; "path<TAB>transcript" lines for several inputs),
-    "json" (a list of objects with path, text, duration, score, segments (with their words and
-    confidence when word timings were asked for), error), "srt" / "vtt" (subtitles: a cue per
-    segment, or per word when the results have word timings) or "tsv" (start, end in integer
-    milliseconds, text: a row per segment, or per word). For several inputs, srt, vtt and tsv put
-    "==> path <==" before each input's. Inputs with an error are left out of all but json (report
-    them separately)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
-    if fmt == "json":
-        return json.dumps([result_dict(r) for r in results], indent=2, ensure_ascii=False) + "\n"
-    good = [r for r in results if r.error is None]
-    several = len(results) > 1
-    if fmt == "txt":
-        return "".join(f"{r.path or '<waveform>'}\t{r.text}\n" if several else f"{r.text}\n" for r in good)
-    write = {"srt": _srt, "vtt": _vtt, "tsv": _tsv}[fmt]
-    return "\n".join((f"==> {r.path or '<waveform>'} <==\n" if several else "") + write(r) for r in good)
-
-
-def result_dict(r: Result) -> dict[str, Any]:
-    """A Result as the plain dict of the json format (one element of its list)."""
-    def ms(seconds: float) -> float:  # the millisecond the srt / vtt / tsv clocks show
-        return round(seconds * 1000) / 1000
-
-    def segment(s: Segment) -> dict[str, Any]:
-        out: dict[str, Any] = {"start": ms(s.start), "end": ms(s.end), "text": s.text}
-        if s.words:
-            out["words"] = [{"word": w.text, "start": ms(w.start), "end": ms(w.end),
-                             "confidence": round(w.confidence, 4)} for w in s.words]
-        return out
-
-    return {
-        "path": r.path, "text": r.text, "duration": round(r.duration, 3),
-        "score": r.score if math.isfinite(r.score) else None,
-        "segments": [segment(s) for s in r.segments],
-        "error": r.error,
-    }
-
-
-def _cues(r: Result) -> list[tuple[float, float, str]]:
-    """(start, end, text) of the subtitle cues: the words when there are word timings, else the
-    segments that hold text."""
-    if r.words:
-        return [(w.start, w.end, w.text) for w in r.words]
-    return [(s.start, s.end, s.text) for s in r.segments if s.text]
-
-
-def _srt(r: Result) -> str:
-    return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{text}\n\n"
-                   for i, (a, b, text) in enumerate(_cues(r), 1))
-
-
-def _vtt(r: Result) -> str:
-    return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{text}\n\n" for a, b, text in _cues(r))
-
-
-def _tsv(r: Result) -> str:
-    return "start\tend\ttext\n" + "".join(f"{round(a * 1000)}\t{round(b * 1000)}\t{text}\n" for a, b, text in _cues(r))
-
-
-def _clock(seconds: float, mark: str) -> str:
-    """HH:MM:SS<mark>mmm (srt: ",", vtt: ".")."""
-    ms = round(seconds * 1000)
-    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{mark}{ms % 1000:03d}"

@@ -8,9 +8,15 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-# the search modes (asr.search.MODES, which imports torch: `asr --help` does not wait for it)
+if TYPE_CHECKING:
+    from asr.decoding import DecodingConfig
+
+# the search modes and precisions (asr.search.MODES, asr.decoding.PRECISIONS, whose modules import
+# torch: `asr --help` does not wait for it)
 MODES = ["attention", "ctc_greedy", "ctc_rescore", "greedy"]
+PRECISIONS = ["auto", "fp32", "bf16"]
 
 # ---------------------------------------------------------------------------------------------
 # handlers
@@ -99,7 +105,7 @@ def cmd_lm(args: argparse.Namespace) -> int:
 
 
 def _train_neural_lm(args: argparse.Namespace) -> int:
-    from asr.neural_lm import load_lm_config, train_lm
+    from asr.lm_train import load_lm_config, train_lm
 
     missing = [flag for flag, value in (("--exp-dir", args.exp_dir), ("--tokenizer", args.tokenizer),
                                         ("--valid", args.valid)) if not value]
@@ -145,8 +151,8 @@ def cmd_wer(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from asr.train_config import load_experiment_config
-    from asr.trainer import train
+    from asr.train_asr import train
+    from asr.train_setup import load_experiment_config
 
     config = load_experiment_config(args.config, args.overrides)
     path = train(config, args.train, args.valid, args.exp_dir, tokenizer_dir=args.tokenizer, cmvn_path=args.cmvn,
@@ -164,14 +170,11 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from asr.decode import decode_manifest, format_wer, load_decoding_config
+    from asr.decode import decode_manifest, format_wer
+    from asr.decoding import thread_policy
 
-    if args.lm_weight is not None and not (args.lm or load_decoding_config(args.config, args.overrides).lm):
-        raise ValueError("--lm-weight needs --lm LM")
-    config = load_decoding_config(args.config, args.overrides, mode=args.mode, beam_size=args.beam_size,
-                                  ctc_weight=args.ctc_weight, batch_size=args.batch_size, device=args.device,
-                                  lm=args.lm, lm_weight=args.lm_weight, int8=args.int8 or None)
-    wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=_threads(args.threads),
+    config = _decoding_config(args, args.overrides, batch_size=args.batch_size)
+    wer = decode_manifest(args.model, args.manifest, args.out_dir, config, search_threads=thread_policy(args.threads),
                           plot_attention=args.plot_attention or 0)
     if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 wrote them
         print(f"{args.out_dir}: hyp.txt ref.txt wer.json errors.txt" + (" attention/" if args.plot_attention else ""))
@@ -180,9 +183,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    from asr.api import format_results, load_model
+    from asr.api import load_model
     from asr.audio import RawFormat
-    from asr.decode import load_decoding_config
+    from asr.decoding import thread_policy
+    from asr.formats import format_results
 
     raw = None
     if args.raw_rate:
@@ -191,16 +195,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     audio = [a for a in args.audio if not _is_override(a)]
     if not audio:
         raise ValueError("no AUDIO to transcribe")
-    flags = {"mode": args.mode, "beam_size": args.beam_size, "lexicon": args.lexicon, "lm": args.lm,
-             "device": args.device, "int8": args.int8 or None}
-    given = [flag for flag, used in (("--lm-weight", args.lm_weight is not None), ("--lm-fusion", args.lm_fusion),
-                                     ("--lm-word-bonus", args.lm_word_bonus is not None)) if used]
-    if given and not load_decoding_config(args.config, overrides, **flags).lm:
-        raise ValueError(f"{given[0]} needs --lm LM")
-    config = load_decoding_config(args.config, overrides, **flags, lm_weight=args.lm_weight,
-                                  lm_fusion=args.lm_fusion or None, lm_word_bonus=args.lm_word_bonus)
+    config = _decoding_config(args, overrides)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
-                            search_threads=_threads(args.threads))
+                            search_threads=thread_policy(args.threads))
     if args.format == "all" and not args.output_dir:
         raise ValueError("--format all needs --output-dir DIR")
     results = recognizer.transcribe(audio, raw=raw, word_timestamps=args.word_timestamps)
@@ -222,25 +219,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("aiohttp") is None:
         raise ValueError("asr serve needs aiohttp: pip install -e '.[serve]'")
-    import torch
-
     from asr.api import load_model
-    from asr.decode import load_decoding_config
+    from asr.decoding import thread_policy
     from asr.serve import ServeOptions, run
 
     options = ServeOptions(max_upload_mb=args.max_upload_mb, max_seconds=args.max_seconds,
                            queue_size=args.queue_size, batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms)
-    config = load_decoding_config(args.config, args.overrides, beam_size=args.beam_size, lexicon=args.lexicon,
-                                  lm=args.lm, device=args.device, int8=args.int8 or None)
-    if args.threads:  # the thread policy, once for the whole run: no request changes it
-        torch.set_num_threads(args.threads)
-    recognizer = load_model(args.model, device=config.device, options=config.decoding_options())
+    config = _decoding_config(args, args.overrides)
+    recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
+                            search_threads=thread_policy(args.threads))  # decided once, for every request
     recognizer.task()  # a bad word list or LM fails now, not at the first request
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"asr serve: listening on {args.host}: whoever reaches this machine can use the server",
               file=sys.stderr)
     run(recognizer, args.host, args.port, options, announce=lambda line: print(line, flush=True))
     return 0
+
+
+def _decoding_config(args: argparse.Namespace, overrides: list[str], **values: object) -> DecodingConfig:
+    """The asr.decoding.DecodingConfig of a decoding command: --config, then the `decoding.key=value`
+    overrides, then the flags of add_decoding_flags and the command's own `values` (asr.decoding.
+    load_decoding_config, which also refuses an LM option without an LM)."""
+    from asr.decoding import load_decoding_config
+
+    flags = {name: getattr(args, name) for name in DECODING_FIELDS}
+    return load_decoding_config(args.config, overrides, **flags, **values)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -261,8 +264,8 @@ def _write_outputs(results: list, folder: str, fmt: str) -> list[Path]:
     """One file per input and format, DIR/<input's name without its suffix>.<format> (as whisper's
     CLI writes them; a name two inputs share gets -2, -3, ...), written atomically; the inputs that
     failed get none."""
-    from asr.api import FORMATS, format_results
     from asr.fileio import atomic_open
+    from asr.formats import FORMATS, format_results
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,23 +306,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _threads(count: int | None) -> int | None:
-    """The thread policy of decode and transcribe (THREADS_HELP): --threads N sets torch's intra-op
-    threads for the process; without it, small searches run on one thread (the search_threads of
-    asr.decoding.DecodingTask)."""
-    if count is None:
-        return 1
-    import torch
-
-    torch.set_num_threads(count)
-    return None
-
-
 MODEL_HELP = "a model file, or a folder written by 'asr export' (onnxruntime, CPU)"
-INT8_HELP = ("int8 weights on the CPU: every weight matmul (decoding.int8=true); with an exported model, its int8 "
-             "graphs")
-THREADS_HELP = ("CPU threads of torch's operators for the whole run (default: torch's, and 1 for a search of "
-                "at most 16 hypotheses, utterances x beam, whose operators are too small to share)")
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -429,36 +416,64 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_average)
 
 
-LM_HELP = ("a word n-gram LM ('asr lm', ARPA: rescores the beam) or a neural LM ('asr lm --kind transformer': "
-           "fused into the search)")
+# the fields of asr.decoding.DecodingConfig that add_decoding_flags sets, by their flags' dest
+DECODING_FIELDS = ("mode", "beam_size", "ctc_weight", "length_bonus", "lexicon", "lm", "lm_weight", "lm_fusion",
+                   "lm_word_bonus", "precision", "int8", "device")
+
+
+def add_decoding_flags(p: argparse.ArgumentParser) -> None:
+    """The decoding flags, the same for `asr decode`, `asr transcribe` and `asr serve`: --config,
+    a flag for each field of DECODING_FIELDS (None when not given: the config's value stays) and
+    --threads (asr.decoding.thread_policy)."""
+    g = p.add_argument_group("decoding", "--config first, then decoding.key=value (any field of "
+                             "asr.decoding.DecodingConfig), then these flags")
+    g.add_argument("--config", metavar="conf/decode/X.yaml",
+                   help="decoding options (asr.decoding.DecodingConfig; batch_size and the loader's fields are "
+                   "asr decode's)")
+    g.add_argument("--mode", choices=MODES, help="the search: attention (beam search over the decoder and CTC, "
+                   "the default), greedy, ctc_greedy, ctc_rescore")
+    g.add_argument("--beam-size", type=int, metavar="N", help="hypotheses kept per utterance (decoding.beam_size)")
+    g.add_argument("--ctc-weight", type=float, metavar="W",
+                   help="weight of the CTC prefix score beside the decoder's 1 - W (decoding.ctc_weight)")
+    g.add_argument("--length-bonus", type=float, metavar="B",
+                   help="added to a hypothesis's score per token (decoding.length_bonus)")
+    g.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
+    g.add_argument("--lm", metavar="LM", help="a word n-gram LM ('asr lm', ARPA: rescores the beam) or a neural "
+                   "LM ('asr lm --kind transformer': fused into the search)")
+    g.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default: decoding.lm_weight's)")
+    g.add_argument("--lm-fusion", action="store_true", default=None,
+                   help="the n-gram LM inside the search, not rescoring")
+    g.add_argument("--lm-word-bonus", type=float, metavar="B", help="added per word with an n-gram LM, against its "
+                   "cost of each word (default: decoding.lm_word_bonus's)")
+    g.add_argument("--precision", choices=PRECISIONS, help="of the encoder and the search: bf16 autocast, fp32, or "
+                   "auto (bf16 on a GPU that supports it, else fp32; the default)")
+    g.add_argument("--int8", action="store_true", default=None, help="int8 weights on the CPU: every weight matmul "
+                   "(decoding.int8=true); with an exported model, its int8 graphs")
+    g.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available; under torchrun "
+                   "each asr decode process on cuda:LOCAL_RANK)")
+    g.add_argument("--threads", type=_positive, metavar="N",
+                   help="CPU threads of torch's operators for the whole run (default: torch's, and 1 for a search "
+                   "of at most 16 hypotheses, utterances x beam, whose operators are too small to share)")
 
 
 def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
-    """decode, transcribe, wer."""
+    """decode, transcribe, serve, export, wer."""
     p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)",
                        description="Decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt); "
                        "resumes an interrupted run. 'torchrun --nproc_per_node N -m asr.cli decode ...' shares "
                        "the batches among N processes (one per GPU) with the same results.")
     p.add_argument("--model", required=True, metavar="MODEL.pt|DIR", help=MODEL_HELP)
-    p.add_argument("--manifest", required=True, metavar="TEST.jsonl")
-    p.add_argument("--out-dir", required=True, metavar="DIR")
-    p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (asr.decode.DecodingConfig)")
-    p.add_argument("--mode", choices=MODES)
-    p.add_argument("--beam-size", type=int, metavar="N")
-    p.add_argument("--ctc-weight", type=float, metavar="W")
-    p.add_argument("--batch-size", type=int, metavar="B")
-    p.add_argument("--lm", metavar="LM", help=LM_HELP)
-    p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default: decoding.lm_weight's)")
-    p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available; under torchrun "
-                   "each process on cuda:LOCAL_RANK)")
-    p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
-    p.add_argument("--int8", action="store_true", help=INT8_HELP)
+    p.add_argument("--manifest", required=True, metavar="TEST.jsonl", help="the utterances to decode and score")
+    p.add_argument("--out-dir", required=True, metavar="DIR", help="where the results and the journal go")
+    p.add_argument("--batch-size", type=int, metavar="B", help="utterances per batch at most (decoding.batch_size)")
     p.add_argument("--plot-attention", type=_positive, metavar="N",
                    help="after decoding, draw the decoder's cross-attention (output tokens x encoder frames, a "
                    "panel per layer, mean over heads) of the first N utterances decoded, in manifest order, "
-                   "into DIR/attention/<id>.png")
+                   "into DIR/attention/<id>.png, and the encoder's and the decoder's self-attention into "
+                   "<id>.encoder_self.png and <id>.decoder_self.png")
+    add_decoding_flags(p)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
-                   help="any field of asr.decode.DecodingConfig, after --config")
+                   help="any field of asr.decoding.DecodingConfig, after --config")
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("transcribe", help="transcribe audio files with a model file")
@@ -471,22 +486,11 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    help="each word's start, end and confidence (json; srt / vtt / tsv: a cue per word)")
     p.add_argument("--output-dir", metavar="DIR", help="write DIR/<input name>.<format> per input instead of "
                    "printing")
-    p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (its batching is not used)")
-    p.add_argument("--beam-size", type=int, metavar="N")
-    p.add_argument("--mode", choices=MODES)
-    p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
-    p.add_argument("--lm", metavar="LM", help=LM_HELP)
-    p.add_argument("--lm-weight", type=float, metavar="W", help="its weight (default: decoding.lm_weight's)")
-    p.add_argument("--lm-fusion", action="store_true", help="the n-gram LM inside the search, not rescoring")
-    p.add_argument("--lm-word-bonus", type=float, metavar="B", help="added per word with an n-gram LM, against its "
-                   "cost of each word (default: decoding.lm_word_bonus's)")
-    p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.add_argument("--threads", type=_positive, metavar="N", help=THREADS_HELP)
-    p.add_argument("--int8", action="store_true", help=INT8_HELP)
     p.add_argument("--raw-rate", type=int, metavar="HZ", help="read the files as headerless PCM at this rate")
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",
                    help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")
     p.add_argument("--raw-channels", type=int, default=1, metavar="N", help="channels of raw input (default 1)")
+    add_decoding_flags(p)
     p.set_defaults(func=cmd_transcribe)
 
     p = sub.add_parser("serve", help="an HTTP API and a web page that transcribe uploads and the microphone")
@@ -502,16 +506,9 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    help="uploads decoded together (default 8)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, metavar="MS",
                    help="how long the first upload of a batch waits for others (default 10)")
-    p.add_argument("--config", metavar="conf/decode/X.yaml", help="decoding options (its batching is not used)")
-    p.add_argument("--beam-size", type=int, metavar="N")
-    p.add_argument("--lexicon", metavar="WORDS.txt", help="write only these words (one per line; beam search)")
-    p.add_argument("--lm", metavar="LM", help=LM_HELP)
-    p.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.add_argument("--threads", type=_positive, metavar="N",
-                   help="CPU threads of torch's operators, set once at start-up (default: torch's)")
-    p.add_argument("--int8", action="store_true", help=INT8_HELP)
+    add_decoding_flags(p)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
-                   help="any field of asr.decode.DecodingConfig, after --config")
+                   help="any field of asr.decoding.DecodingConfig, after --config")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export", help="export a model file to ONNX graphs run by onnxruntime (pip install -e "

@@ -9,8 +9,9 @@ Writes into DIR (DESIGN.md):
     decode.jsonl       the journal: a header line (model, manifest, search settings, the precision
                        they mean on this device), then one line per utterance ({"id", "text",
                        "score", "nbest"?, "skipped"?}), appended and flushed after every batch
-    attention/<id>.png with --plot-attention N: the decoder's cross-attention (asr.attention_plot)
-                       of the first N utterances decoded, in manifest order; drawn by rank 0 after
+    attention/<id>.png with --plot-attention N: the decoder's cross-attention (asr.attention_plot),
+                       and <id>.encoder_self.png, <id>.decoder_self.png the self-attentions, of
+                       the first N utterances decoded, in manifest order; drawn by rank 0 after
                        decoding (each decoded again alone for its tokens), outside the decoding loop
 The journal is what makes an interrupted run resume: a run with the same header decodes only the
 utterances it lacks; other settings (or another model file) start it over. An utterance whose audio
@@ -39,8 +40,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from asr.api import Recognizer, load_model, resolve_device
-from asr.config import ConfigError, load_config, to_dict
-from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, split_skipped
-from asr.decoding import DecodingOptions, DecodingTask
+from asr.config import to_dict
+from asr.dataset import Batch, Example, Skipped, collate, split_skipped
+from asr.decoding import DecodingConfig, DecodingTask
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
 from asr.export import EXPORT_FILE
 from asr.fileio import atomic_open
@@ -61,8 +60,7 @@ from asr.manifest import Utterance, read_manifest
 from asr.metrics import ErrorStats, format_errors, format_summary, normalize_text, score
 from asr.sampler import greedy_batches, longest_first
 
-__all__ = ["JOURNAL", "DecodingConfig", "decode_manifest", "format_wer", "load_decoding_config", "plot_attention",
-           "write_outputs"]
+__all__ = ["JOURNAL", "decode_manifest", "format_wer", "plot_attention", "write_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -71,51 +69,6 @@ _RANK_JOURNAL = re.compile(r"decode\.rank(\d+)\.jsonl")  # a rank's journal in a
 _JOURNAL_FORMAT = "asr-decode-journal"
 
 Records = dict[str, dict[str, Any]]  # utterance id -> its journal record
-
-
-@dataclass(frozen=True)
-class DecodingConfig(DecodingOptions):
-    """What `asr decode` and `asr transcribe` read: the decoding (asr.decoding.DecodingOptions:
-    the search, the lexicon, the LM, the precision) and, for `asr decode`, the batching and the
-    device. conf/decode/*.yaml hold these fields at the top level; nbest hypotheses per utterance
-    go to the journal, the best to hyp.txt."""
-
-    batch_size: int = 32  # utterances per batch at most
-    max_batch_seconds: float = 600.0  # padded seconds (longest x count) per batch at most
-    num_workers: int = 2  # processes reading audio and computing features
-    device: str = "auto"  # auto: cuda when available, else cpu; under torchrun auto and cuda: cuda:LOCAL_RANK
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name, ok in (("batch_size", self.batch_size >= 1), ("max_batch_seconds", self.max_batch_seconds > 0),
-                         ("num_workers", self.num_workers >= 0)):
-            if not ok:
-                raise ValueError(f"decoding.{name} = {getattr(self, name)!r} must be positive")
-
-    def decoding_options(self) -> DecodingOptions:
-        """The decoding fields alone (what the results depend on)."""
-        return DecodingOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingOptions)})
-
-
-def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_values: Any) -> DecodingConfig:
-    """Defaults, then the YAML file `path` (None: none), then `decoding.key=value` overrides (any
-    field), then the command-line values given (a field's name = value; None keeps). Unknown keys
-    and bad values raise ConfigError naming them."""
-    keys = []
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key.startswith("decoding."):
-            raise ConfigError(f"override '{item}': expected decoding.key=value")
-        keys.append(item[len("decoding."):])
-    config = load_config(DecodingConfig, path, keys)
-    flags = {k: v for k, v in cli_values.items() if v is not None}
-    unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(DecodingConfig)})
-    if unknown:
-        raise ConfigError(f"unknown decoding option '{unknown[0]}'")
-    try:
-        return dataclasses.replace(config, **flags)
-    except ValueError as e:
-        raise ConfigError(f"command line: {e}") from None
 
 
 def decode_manifest(model_path: str | os.PathLike, manifest_path: str | os.PathLike, out_dir: str | os.PathLike,
@@ -214,8 +167,7 @@ def _describe(recognizer: Recognizer, config: DecodingConfig, task: DecodingTask
     if task.precision != "fp32":
         print(f"decode: {task.precision} autocast on {recognizer.device}", file=sys.stderr)
     if config.int8:
-        kind = "asr.quantize" if isinstance(recognizer.model, torch.nn.Module) else "the exported int8 graphs"
-        print(f"decode: int8 weights ({kind})", file=sys.stderr)
+        print("decode: int8 weights", file=sys.stderr)
 
 
 def _gather(ctx: Context, obj: Any) -> list[Any] | None:
@@ -258,8 +210,7 @@ def _decode(recognizer: Recognizer, task: DecodingTask, utts: list[Utterance], c
     mine = list(range(ctx.rank, len(batches), ctx.world_size))
     if not mine:
         return []
-    dataset = ASRDataset(utts, None, features=recognizer.features)
-    loader = DataLoader(dataset, batch_sampler=[batches[k] for k in mine], collate_fn=_collate,
+    loader = DataLoader(recognizer.dataset(utts), batch_sampler=[batches[k] for k in mine], collate_fn=_collate,
                         num_workers=config.num_workers)
     seconds = {u.id: u.duration for u in utts}
     decoded, audio, start = [], 0.0, time.perf_counter()
@@ -320,7 +271,7 @@ def _row(batch: Batch, i: int) -> Batch:
 def _decode_batch(recognizer: Recognizer, task: DecodingTask, batch: Batch) -> list[dict[str, Any]]:
     if not batch.ids:
         return []
-    feats = recognizer.cmvn(batch.feats.to(recognizer.device))  # (B, T, D); padding is never read
+    feats = batch.feats.to(recognizer.device)  # (B, T, D) normalized (Recognizer.dataset); padding is never read
     found = task.run([f[:n] for f, n in zip(feats, batch.feat_lens.tolist())])
     records = []
     for utt_id, nbest in zip(batch.ids, found):
@@ -334,28 +285,29 @@ def _decode_batch(recognizer: Recognizer, task: DecodingTask, batch: Batch) -> l
 @torch.no_grad()
 def plot_attention(recognizer: Recognizer, task: DecodingTask, utts: list[Utterance], records: Records,
                    folder: Path, count: int) -> list[Path]:
-    """Attention pictures (asr.attention_plot) of the first `count` utterances of the manifest, in
-    its order, that were decoded (not skipped) and hold an encoder frame: folder/<id>.png, the best
+    """Attention pictures (asr.attention_plot, each kind of KINDS) of the first `count` utterances of
+    the manifest, in its order, that were decoded (not skipped) and hold an encoder frame:
+    folder/<id>.png (cross-attention), folder/<id>.<kind>.png (the others; picture_name), the best
     hypothesis teacher-forced over the utterance's encoder output alone. The journal keeps only
     text, so each is decoded again, alone, for its tokens (the search finds the same best
     hypothesis alone as in a batch). A step of its own after decoding; the paths written."""
-    from asr.attention_plot import attention_picture, picture_name, write_png
+    from asr.attention_plot import attention_pictures, picture_name, write_png
 
-    start, written = time.perf_counter(), []
-    minimum = recognizer.model.encoder.subsampling.receptive_field
+    start, drawn, written = time.perf_counter(), 0, []
     for utt in utts:
-        if len(written) == count:
+        if drawn == count:
             break
-        example = None if records[utt.id].get("skipped") else ASRDataset([utt], None, features=recognizer.features)[0]
-        if not isinstance(example, Example) or example.feats.size(0) < minimum:
+        example = None if records[utt.id].get("skipped") else recognizer.dataset([utt])[0]
+        if not isinstance(example, Example) or example.feats.size(0) < recognizer.model.min_frames:
             continue
-        feats = recognizer.cmvn(example.feats.to(recognizer.device))  # (T, D)
-        memory, memory_lens = task.encode([feats])  # (1, S, d): encoded once, for the search and the picture
+        feats = example.feats.to(recognizer.device)  # (T, D)
+        memory, memory_lens = task.encode([feats])  # (1, S, d)
         tokens = task.decode_memory(memory, memory_lens)[0][0].tokens
-        image = attention_picture(recognizer.model, recognizer.tokenizer, memory[0], tokens,
-                                  title=f"{utt.id}: {recognizer.text(tokens)}")
-        written.append(write_png(image, folder / picture_name(utt.id)))
-    print(f"decode: attention pictures of {len(written)} utterances in {folder} "
+        images = attention_pictures(recognizer.model, recognizer.tokenizer, feats, tokens,
+                                    title=f"{utt.id}: {recognizer.text(tokens)}")
+        written += [write_png(image, folder / picture_name(utt.id, kind)) for kind, image in images.items()]
+        drawn += 1
+    print(f"decode: attention pictures of {drawn} utterances in {folder} "
           f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return written
 

@@ -1,9 +1,17 @@
-"""One decoding run: the options (`DecodingOptions`, the one definition that `asr decode`,
-`asr transcribe` and the Python API read), and the task that carries them out (`DecodingTask`):
-encoder, search with the scorers the options ask for (a lexicon's constraint, a word LM fused into
-the search), then LM rescoring of the beam when the LM is not fused. The encoder and the search run
-in the options' precision (bf16 autocast or fp32); the search's scores are summed in fp32 either way
-(the decoder's and CTC's log-probabilities are computed in fp32).
+"""One decoding run: the options, the thread policy, and the task that carries them out.
+
+- `DecodingOptions`: the one definition of the decoding options, validated once, that `asr decode`,
+  `asr transcribe`, `asr serve` and the Python API read; `DecodingConfig` adds a run's batching and
+  device, and `load_decoding_config` reads it (defaults, a conf/decode/*.yaml file, `decoding.key=
+  value` overrides, then the command-line values; an LM option given without an LM is refused here).
+- `thread_policy`: the CPU threads of a decoding run, decided here for the commands, the server and
+  the benchmarks; `search_threads_for` applies it to one search.
+- `DecodingTask`: encoder, search with the scorers the options ask for (a lexicon's constraint, a
+  word LM fused into the search), then LM rescoring of the beam when the LM is not fused. It drives
+  any asr.inference.InferenceModel (the PyTorch model or the exported one) through that contract
+  alone. The encoder and the search run in the options' precision (bf16 autocast or fp32); the
+  search's scores are summed in fp32 either way (the decoder's and CTC's log-probabilities are
+  computed in fp32).
 
     task = DecodingTask(model, tokenizer, DecodingOptions(beam_size=20), lexicon=lexicon, lm=lm)  # lm: loaded
     nbest_lists = task.run([feats_1, feats_2])   # (T_i, n_mels) normalized features each
@@ -31,27 +39,30 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from asr.alignment import Word, align_words
+from asr.config import ConfigError, load_config
+from asr.inference import InferenceModel
 from asr.lexicon import Lexicon, LexiconScorer
 from asr.lm import NgramLM, WordLMScorer, rescore
 from asr.metrics import normalize_text
-from asr.model import ASRModel
 from asr.neural_lm import NeuralLM, TransformerLMScorer
 from asr.quantize import int8_model
 from asr.search import Hypothesis, Scorers, SearchOptions, check_fields, decode_memory
 from asr.tokenizer import Tokenizer
 
-__all__ = ["FEW_ROWS", "PRECISIONS", "DecodingOptions", "DecodingTask", "intra_op_threads", "resolve_precision"]
+__all__ = ["FEW_ROWS", "LM_OPTIONS", "PRECISIONS", "DecodingConfig", "DecodingOptions", "DecodingTask",
+           "intra_op_threads", "load_decoding_config", "resolve_precision", "search_threads_for", "thread_policy"]
 
 # A search over at most this many rows (utterances x beam) has operators too small to share among
 # threads (a LayerNorm of 10 x 256, a 10-row matmul): waking a second thread for each costs more
 # than it saves. `DecodingTask(search_threads=1)` runs such searches on one CPU thread.
 FEW_ROWS = 16
 PRECISIONS = ("auto", "fp32", "bf16")
+LM_OPTIONS = ("lm_weight", "lm_fusion", "lm_word_bonus")  # mean something only with decoding.lm
 
 
 @dataclass(frozen=True)
@@ -89,16 +100,66 @@ class DecodingOptions(SearchOptions):
         ))
 
 
+@dataclass(frozen=True)
+class DecodingConfig(DecodingOptions):
+    """What a decoding run reads: the decoding (DecodingOptions: the search, the lexicon, the LM, the
+    precision), the device, and for `asr decode` the batching of a manifest. conf/decode/*.yaml
+    hold these fields at the top level; nbest hypotheses per utterance go to decode's journal, the
+    best to hyp.txt."""
+
+    batch_size: int = 32  # utterances per batch at most (asr decode)
+    max_batch_seconds: float = 600.0  # padded seconds (longest x count) per batch at most (asr decode)
+    num_workers: int = 2  # processes reading audio and computing features (asr decode)
+    device: str = "auto"  # auto: cuda when available, else cpu; under torchrun auto and cuda: cuda:LOCAL_RANK
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, ok in (("batch_size", self.batch_size >= 1), ("max_batch_seconds", self.max_batch_seconds > 0),
+                         ("num_workers", self.num_workers >= 0)):
+            if not ok:
+                raise ValueError(f"decoding.{name} = {getattr(self, name)!r} must be positive")
+
+    def decoding_options(self) -> DecodingOptions:
+        """The decoding fields alone (what the results depend on)."""
+        return DecodingOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingOptions)})
+
+
+def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_values: Any) -> DecodingConfig:
+    """Defaults, then the YAML file `path` (None: none), then `decoding.key=value` overrides (any
+    field), then the command-line values given (a field's name = value; None keeps). Unknown keys
+    and bad values raise ConfigError naming them; so does a command-line value of an LM option
+    (LM_OPTIONS) when there is no LM ("--lm-weight needs --lm LM")."""
+    keys = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.startswith("decoding."):
+            raise ConfigError(f"override '{item}': expected decoding.key=value")
+        keys.append(item[len("decoding."):])
+    config = load_config(DecodingConfig, path, keys)
+    flags = {k: v for k, v in cli_values.items() if v is not None}
+    unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(DecodingConfig)})
+    if unknown:
+        raise ConfigError(f"unknown decoding option '{unknown[0]}'")
+    without_lm = [name for name in LM_OPTIONS if name in flags and not flags.get("lm", config.lm)]
+    if without_lm:
+        raise ConfigError(f"--{without_lm[0].replace('_', '-')} needs --lm LM")
+    try:
+        return dataclasses.replace(config, **flags)
+    except ValueError as e:
+        raise ConfigError(f"command line: {e}") from None
+
+
 class DecodingTask:
     """A model decoding with `options`: the scorers they ask for are built once, from the compiled
     `lexicon` (required when options.lexicon is set) and the loaded `lm` (required when options.lm
-    is). The model should be in eval mode; it may also be an exported one (asr.onnx_model.OnnxModel).
-    With options.int8 the task decodes with asr.quantize.int8_model(model), on the CPU only (pass
-    that model to quantize once for many tasks). `search_threads`: torch's intra-op threads while a CPU
-    search has at most FEW_ROWS rows (None: torch's setting is left alone). `precision`: "fp32" or
-    "bf16", what options.precision means on the model's device (resolve_precision)."""
+    is). The model is any asr.inference.InferenceModel in eval mode (the PyTorch model or an
+    exported one), read through that contract alone. With options.int8 the task decodes with
+    asr.quantize.int8_model(model), on the CPU only (pass that model to quantize once for many
+    tasks). `search_threads`: torch's intra-op threads while a CPU search has at most FEW_ROWS rows
+    (None: torch's setting is left alone; `thread_policy` says which to pass). `precision`: "fp32"
+    or "bf16", what options.precision means on the model's device (resolve_precision)."""
 
-    def __init__(self, model: ASRModel, tokenizer: Tokenizer, options: DecodingOptions, *,
+    def __init__(self, model: InferenceModel, tokenizer: Tokenizer, options: DecodingOptions, *,
                  lexicon: Lexicon | None = None, lm: NgramLM | NeuralLM | None = None,
                  search_threads: int | None = None) -> None:
         if bool(options.lexicon) != (lexicon is not None):
@@ -107,7 +168,7 @@ class DecodingTask:
             raise ValueError(f"decoding.lm = {options.lm!r} and the loaded LM go together")
         if isinstance(lm, NeuralLM):
             lm.check_tokenizer(tokenizer)
-        self.device = _device(model)
+        self.device = model.device
         if options.int8:
             if self.device.type != "cpu":
                 raise ValueError(f"decoding.int8 runs on the CPU, not on {self.device}")
@@ -157,8 +218,7 @@ class DecodingTask:
     def _run(self, feats: Sequence[torch.Tensor],
              align: tuple[Sequence[float], float] | None = None) -> list[tuple[tuple[Hypothesis, ...], list[Word]]]:
         out: list[tuple[tuple[Hypothesis, ...], list[Word]]] = [((Hypothesis((), 0.0),), [])] * len(feats)
-        minimum = self.model.encoder.subsampling.receptive_field
-        usable = [i for i, f in enumerate(feats) if f.size(0) >= minimum]
+        usable = [i for i, f in enumerate(feats) if f.size(0) >= self.model.min_frames]
         if not usable:
             return out
         memory, memory_lens = self.encode([feats[i] for i in usable])
@@ -177,15 +237,12 @@ class DecodingTask:
         lens = torch.tensor([f.size(0) for f in feats], device=feats[0].device)
         padded = torch.nn.utils.rnn.pad_sequence(list(feats), batch_first=True)  # (B, T, D)
         with self._autocast():
-            return self.model.encoder(padded, lens)
+            return self.model.encode(padded, lens)
 
     def search(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
         """The search's n-best lists of an encoder output (the whole beam when it is rescored)."""
-        options = self.search_options
-        rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
-        few = self.search_threads is not None and rows <= FEW_ROWS and memory.device.type == "cpu"
-        with intra_op_threads(self.search_threads if few else None), self._autocast():
-            return decode_memory(self.model, memory, memory_lens, options, self.scorers)
+        with search_threads_for(self.search_threads, self.search_options, memory), self._autocast():
+            return decode_memory(self.model, memory, memory_lens, self.search_options, self.scorers)
 
     def decode_memory(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
         """What `run` gives for an encoder output: the search's n-best lists, rescored when an LM
@@ -206,12 +263,6 @@ class DecodingTask:
         return tuple(Hypothesis(nbest[i].tokens, score) for i, score in best)
 
 
-def _device(model: ASRModel) -> torch.device:
-    """The model's device: an exported model's `device`, else its parameters'."""
-    device = getattr(model, "device", None)
-    return device if isinstance(device, torch.device) else next(model.parameters()).device
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
     """"fp32" or "bf16": what decoding.precision (PRECISIONS) means on `device`. auto is bf16 on a
     CUDA GPU with native bf16, fp32 elsewhere; bf16 on a GPU without it is a ValueError."""
@@ -221,6 +272,32 @@ def resolve_precision(precision: str, device: torch.device) -> str:
             raise ValueError(f"decoding.precision = 'bf16': {device} does not support bf16")
         return "bf16" if precision == "bf16" or (precision == "auto" and native) else "fp32"
     return "bf16" if precision == "bf16" else "fp32"
+
+
+def thread_policy(threads: int | None) -> int | None:
+    """The CPU threads of a decoding run, decided here for every caller (asr decode, transcribe and
+    serve, the benchmarks; the API's load_model takes what it returns): `threads` N sets torch's
+    intra-op threads to N for the whole process, and every search uses them; None leaves torch's
+    count alone, except that a CPU search of at most FEW_ROWS rows (utterances x beam) runs on one
+    thread, its operators being too small to share. Returns the `search_threads` of DecodingTask
+    (asr.api.load_model) that carries it out: None, or 1."""
+    if threads is None:
+        return 1
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    torch.set_num_threads(threads)
+    return None
+
+
+def search_threads_for(search_threads: int | None, options: SearchOptions,
+                       memory: torch.Tensor) -> AbstractContextManager:
+    """Where a search of `options` over the encoder output `memory` (B, T, d) runs: on
+    `search_threads` intra-op threads when it is a CPU search of at most FEW_ROWS rows (B x beam for
+    the beam searches, B otherwise), on torch's count otherwise (and always when search_threads is
+    None)."""
+    rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
+    few = search_threads is not None and rows <= FEW_ROWS and memory.device.type == "cpu"
+    return intra_op_threads(search_threads if few else None)
 
 
 @contextmanager

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,6 +61,13 @@ class Context:
         if self.distributed:
             dist.all_reduce(tensor)
         return tensor
+
+    def seed_torch(self, seed: int, *keys: int) -> None:
+        """Seed this process's torch generators (CPU and CUDA) from (seed, rank, keys): a stream
+        of its own for each rank (dropout). The keys are mixed by numpy's SeedSequence into 63
+        bits, as asr.dataset.derive_seed mixes the data's."""
+        state = np.random.SeedSequence([seed, self.rank, *keys]).generate_state(2, dtype=np.uint32)
+        torch.manual_seed((int(state[0]) << 31) ^ int(state[1]))
 
 
 def setup_process(*, device: str = "auto", num_threads: int = 0) -> Context:

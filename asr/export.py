@@ -13,7 +13,7 @@ DIR holds (EXPORT_FILE says which graph is which and links them to the rest):
                        buffers of capacity C whose positions [0, t) are filled, length () int64 = t,
                        memory_k_0, memory_v_0, ... (B, H, S, dh) (memory_kv's parts), memory_mask
                        -> log_probs (B, N, V), new_kv (layers, 2, B, N, H, dh), the keys and values of
-                       position t (TransformerDecoder.step_kv: the buffers are read in place, never
+                       position t (TransformerDecoder.step on an ExportedStepCache: the buffers are read in place, never
                        copied; the caller stores new_kv in them)
     *.int8.onnx        with int8=True: the same graphs with int8 weights (onnxruntime's dynamic
                        quantization of MatMul / Gemm weights, per output channel)
@@ -42,7 +42,7 @@ from torch import nn
 from asr.checkpoint import load_file
 from asr.config import to_dict
 from asr.fileio import atomic_open
-from asr.model import ASRModel
+from asr.model import ASRModel, ExportedStepCache
 from asr.onnx_model import (
     EXPORT_FILE,
     EXPORT_FORMAT,
@@ -76,13 +76,23 @@ class _DecoderInit(nn.Module):
 
 
 class _DecoderStep(nn.Module):
+    """The decoder's step over an ExportedStepCache: tokens (B, N), the cache buffers (B, N, H, C, dh)
+    each, length, memory_kv's parts, memory_mask -> log_probs (B, N, V), new_kv (layers, 2, B, N, H, dh)."""
+
     def __init__(self, model: ASRModel) -> None:
         super().__init__()
         self.decoder = model.decoder
 
     def forward(self, tokens: torch.Tensor, self_kv: tuple[torch.Tensor, ...], length: torch.Tensor,
                 memory_kv: tuple[torch.Tensor, ...], memory_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decoder.step_kv(tokens, self_kv, length, memory_kv, memory_mask)
+        b, n = tokens.shape
+        heads, capacity, dh = self_kv[0].shape[2:]
+        buffers = tuple(c.reshape(b * n, heads, capacity, dh) for c in self_kv)
+        cache = ExportedStepCache(buffers, length, memory_kv, memory_mask, self.decoder.d_model)
+        log_probs, _ = self.decoder.step(tokens.reshape(b * n), cache)
+        layers = len(cache.new_kv)
+        new_kv = torch.stack(cache.new_kv).view(layers, b, n, 2, heads, dh).permute(0, 3, 1, 2, 4, 5)
+        return log_probs.view(b, n, -1), new_kv.contiguous()
 
 
 def _step_inputs(layers: int) -> list[str]:
@@ -97,7 +107,7 @@ def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str
     c = model.config
     heads, dh, layers = c.n_heads, c.d_model // c.n_heads, c.decoder_layers
     dim = torch.export.Dim
-    batch, rows, time, frames = dim("batch"), dim("beam"), dim("time", min=model.encoder.subsampling.receptive_field), \
+    batch, rows, time, frames = dim("batch"), dim("beam"), dim("time", min=model.min_frames), \
         dim("frames")
     capacity = dim("capacity")
     feats, feat_lens = torch.randn(3, 230, c.n_mels), torch.tensor([230, 180, 120])

@@ -1,16 +1,16 @@
 """An exported model (asr.export) run by onnxruntime, behind the interface the search drives.
 
-`OnnxModel` presents what asr.search, asr.decoding and asr.alignment read of an ASRModel:
-`config`, `encoder(feats, feat_lens) -> (memory, memory_lens)` (with `encoder.subsampling.
-receptive_field`), `ctc_log_probs(memory)`, and `decoder` with `init_cache`, `step` and the
-teacher-forced call (run step by step: ctc_rescore). The beam search is the same code: only the
-cache differs. `OnnxCache` holds the self-attention keys and values in a buffer preallocated to a
-capacity (doubled when full), as DecoderCache does: each step's graph reads it in place (each
-layer's keys and values are an input of their own, a contiguous view that onnxruntime takes without
-a copy; the positions not yet filled are masked) and returns only the new position's keys and
-values, which the cache writes into the buffer. A graph that returned the cache one position longer
-copied all of it at every step, which at batch x beam 320 cost more than the graph saved.
-`reorder` moves the rows a step's selection changed, over the filled positions.
+`OnnxModel` implements the inference contract (asr.inference.InferenceModel) that ASRModel
+implements: `config`, `device`, `min_frames`, `encode`, `ctc_log_probs`, `init_cache`, `step` and
+`teacher_forced` (run step by step: ctc_rescore). The search is the same code for both: only the
+cache differs, behind asr.inference.DecoderState. `OnnxCache` holds the self-attention keys and
+values in a buffer preallocated to a capacity (doubled when full), as DecoderCache does: each
+step's graph reads it in place (each layer's keys and values are an input of their own, a
+contiguous view that onnxruntime takes without a copy; the positions not yet filled are masked)
+and returns only the new position's keys and values, which the cache writes into the buffer. A
+graph that returned the cache one position longer copied all of it at every step, which at batch
+x beam 320 cost more than the graph saved. `select` moves the rows a step's selection changed,
+over the filled positions.
 
 Tensors cross to onnxruntime as numpy arrays on the CPU without copies where they are contiguous.
 Each graph gets its own session with `threads` intra-op threads (SessionOptions; no process-wide
@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 
 from asr.checkpoint import CheckpointError
-from asr.config import from_dict
-from asr.features import CMVNStats, FeatureConfig, GlobalCMVN
-from asr.model import ModelConfig, ReorderPlan, right_context
+from asr.features import FeatureConfig, GlobalCMVN
+from asr.model import ModelConfig, right_context
+from asr.model_parts import read_parts, usable
 from asr.tokenizer import JSON_FILE, Tokenizer, load_tokenizer
 
 __all__ = ["EXPORT_FILE", "EXPORT_FORMAT", "EXPORT_VERSION", "GRAPHS", "Exported", "OnnxCache", "OnnxModel",
@@ -62,10 +63,6 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     model = d.get("model")
     digest.update(model if isinstance(model, bytes) else json.dumps(d.get("tokens"), ensure_ascii=False).encode())
     return digest.hexdigest()
-
-
-class _Subsampling(NamedTuple):
-    receptive_field: int  # feature frames the first encoder frame needs (Conv2dSubsampling's)
 
 
 def _run(session: Any, names: list[str], *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -98,23 +95,20 @@ class _Graph:
 
 class OnnxEncoder:
     """(feats (B, T, n_mels), feat_lens (B,)) -> (memory (B, T', d), memory_lens (B,)), as the
-    model's encoder; T at least `subsampling.receptive_field` frames."""
+    model's encoder; T at least `min_frames` frames (the graph's smallest input)."""
 
     def __init__(self, graph: _Graph, config: ModelConfig) -> None:
         self.graph = graph
-        self.subsampling = _Subsampling(right_context(config.subsampling) + 1)
+        self.min_frames = right_context(config.subsampling) + 1  # the subsampling's receptive field
 
     def __call__(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        short = self.subsampling.receptive_field - feats.size(1)
-        if short > 0:
-            feats = torch.nn.functional.pad(feats, (0, 0, 0, short))
         memory, memory_lens = self.graph(feats.float(), feat_lens.long())
         return memory, memory_lens
 
 
 @dataclass(eq=False)
 class OnnxCache:
-    """The decoder's state between exported steps (DecoderCache's fields the search reads)."""
+    """The decoder's state between exported steps (asr.inference.DecoderState)."""
 
     self_kv: torch.Tensor  # (layers, 2, R, H, C, dh) zero-initialized: keys [:, 0], values [:, 1]; steps
     # [0, length) filled, the others 0 (finite: the graph masks them, and 0 x NaN would not be 0)
@@ -134,21 +128,29 @@ class OnnxCache:
     def group(self) -> int:
         return self.rows // self.memory_kv.size(2)
 
-    def reorder(self, index: torch.Tensor, plan: ReorderPlan | None = None) -> OnnxCache:
-        """Keep rows `index` (R',) in that order (DecoderCache.reorder's contract); in place, returns self."""
-        if index.numel() < self.rows:  # whole utterances dropped: their memory goes too
-            utterances = index.view(-1, self.group)[:, 0] // self.group
+    def selection_counts(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """(1,) long: the rows that move when keeping rows (R,) cut to `kept` utterances
+        (asr.inference.DecoderState); no host synchronization."""
+        new = torch.arange(rows.numel())
+        return ((rows != new) & (new < kept * self.group)).sum().view(1)
+
+    def select(self, rows: torch.Tensor, counts: Sequence[int]) -> OnnxCache:
+        """Keep rows (R',) in that order (asr.inference.DecoderState.select); in place, returns self."""
+        if rows.numel() < self.rows:  # whole utterances dropped: their memory goes too
+            utterances = rows.view(-1, self.group)[:, 0] // self.group
             self.memory_kv = self.memory_kv.index_select(2, utterances)
             self.memory_mask = self.memory_mask.index_select(0, utterances)
-            self.self_kv = self.self_kv.index_select(2, index)  # a new buffer: the graph takes it contiguous
+            self.self_kv = self.self_kv.index_select(2, rows)  # a new buffer: the graph takes it contiguous
             return self
-        moved = plan.rows if plan is not None and plan.rows is not None else None
-        if moved is None:
-            moved = (index != torch.arange(index.numel())).nonzero()[:, 0]
-        if moved.numel():
+        if counts[0]:
+            moved = torch.argsort((rows == torch.arange(rows.numel())).to(torch.int8), stable=True)[:counts[0]]
             filled = self.self_kv[..., :self.length, :]  # (layers, 2, R, H, t, dh)
-            filled.index_copy_(2, moved, filled.index_select(2, index[moved]))  # sources read first
+            filled.index_copy_(2, moved, filled.index_select(2, rows[moved]))  # sources read first
         return self
+
+    def reorder(self, rows: torch.Tensor) -> OnnxCache:
+        """`select` with its counts found here: for callers outside a search."""
+        return self.select(rows, self.selection_counts(rows, torch.tensor(rows.numel() // self.group)).tolist())
 
     def append(self, new_kv: torch.Tensor) -> None:
         """Store step `length`'s keys and values new_kv (layers, 2, R, H, dh) and advance `length`."""
@@ -181,11 +183,8 @@ class OnnxDecoder:
         self_kv = memory_kv.new_zeros(self.layers, 2, rows, self.heads, capacity, self.dh)
         return OnnxCache(self_kv, memory_kv, memory_mask)
 
-    def step(self, last_tokens: torch.Tensor, memory: torch.Tensor | None, memory_lens: torch.Tensor | None,
-             cache: OnnxCache | None = None) -> tuple[torch.Tensor, OnnxCache]:
+    def step(self, last_tokens: torch.Tensor, cache: OnnxCache) -> tuple[torch.Tensor, OnnxCache]:
         """Log-probabilities (R, V) of the next token of R hypotheses (TransformerDecoder.step)."""
-        if cache is None:
-            cache = self.init_cache(memory, memory_lens, rows=last_tokens.size(0))
         cache.reserve()
         batch, rows = cache.memory_kv.size(2), cache.rows
         buffers = cache.self_kv.view(-1, batch, rows // batch, self.heads, cache.capacity, self.dh)  # (layers x 2, ...)
@@ -201,7 +200,7 @@ class OnnxDecoder:
         cache = self.init_cache(memory, memory_lens, rows=tokens.size(0))
         out = []
         for position in range(tokens.size(1)):
-            log_probs, cache = self.step(tokens[:, position].clamp(min=0), None, None, cache)
+            log_probs, cache = self.step(tokens[:, position].clamp(min=0), cache)
             out.append(log_probs)
         return torch.stack(out, dim=1)
 
@@ -226,6 +225,26 @@ class OnnxModel:
     def ctc_log_probs(self, memory: torch.Tensor) -> torch.Tensor:
         """CTC log-probabilities (B, T, V) float32 of memory (B, T, d)."""
         return self.ctc(memory.float())[0]
+
+    # the inference contract (asr.inference.InferenceModel)
+
+    @property
+    def min_frames(self) -> int:
+        return self.encoder.min_frames
+
+    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encoder(feats, feat_lens)
+
+    def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,
+                   capacity: int = 64) -> OnnxCache:
+        return self.decoder.init_cache(memory, memory_lens, rows=rows, capacity=capacity)
+
+    def step(self, last_tokens: torch.Tensor, cache: OnnxCache) -> tuple[torch.Tensor, OnnxCache]:
+        return self.decoder.step(last_tokens, cache)
+
+    def teacher_forced(self, tokens: torch.Tensor, token_lens: torch.Tensor, memory: torch.Tensor,
+                       memory_lens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(tokens, token_lens, memory, memory_lens)
 
     def int8_model(self) -> OnnxModel:
         """The same model on its int8 graphs (loaded once); CheckpointError when the export has none."""
@@ -300,21 +319,15 @@ def load_exported(path: str | os.PathLike, *, int8: bool = False, threads: int |
     folder = Path(path)
     meta = _read_metadata(folder)
     source = str(folder / EXPORT_FILE)
-    try:
-        config = from_dict(ModelConfig, meta["model"], source=source, prefix="model.")
-        features = from_dict(FeatureConfig, meta["frontend"]["features"], source=source, prefix="frontend.features.")
-        cmvn = GlobalCMVN(CMVNStats.from_dict(meta["frontend"]["cmvn"]))
+    with usable(source, "export description"):
         graphs, int8_graphs = dict(meta["graphs"]), dict(meta.get("int8_graphs") or {})
         if not {"fingerprint", "vocab_size"} <= set(meta["tokenizer"]):
             raise ValueError("the tokenizer's fingerprint or vocab_size is missing")
-    except (KeyError, TypeError, ValueError) as e:
-        reason = f"missing {e}" if isinstance(e, KeyError) else str(e).removeprefix(f"{source}: ")
-        raise CheckpointError(f"{source}: not a usable export description ({reason})") from None
-    tokenizer = _tokenizer(folder, meta)
+    parts = read_parts(meta, source, what="export description", tokenizer=_tokenizer(folder, meta))
     if int8 and not int8_graphs:
         raise CheckpointError(f"{folder}: no int8 graphs (export with --int8 for decoding.int8)")
-    model = OnnxModel(folder, config, graphs, int8_graphs, threads=threads or torch.get_num_threads())
-    if model.vocab_size != tokenizer.vocab_size:
-        raise CheckpointError(f"{folder / JSON_FILE}: {tokenizer.vocab_size} tokens, the exported graphs output "
-                              f"{model.vocab_size}")
-    return Exported(model, tokenizer, features, cmvn)
+    model = OnnxModel(folder, parts.config, graphs, int8_graphs, threads=threads or torch.get_num_threads())
+    if model.vocab_size != parts.tokenizer.vocab_size:
+        raise CheckpointError(f"{folder / JSON_FILE}: {parts.tokenizer.vocab_size} tokens, the exported graphs "
+                              f"output {model.vocab_size}")
+    return Exported(model, parts.tokenizer, parts.features, parts.cmvn)

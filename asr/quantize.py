@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
 
+from asr.inference import InferenceModel
 from asr.model import IN_PARTS, ASRModel, MultiHeadAttention
 
 __all__ = ["Int8Linear", "int8_model", "is_int8", "quantize_int8"]
@@ -110,9 +110,10 @@ def is_int8(model: object) -> bool:
     return bool(getattr(model, "int8", False))
 
 
-def int8_model(model: Any) -> Any:
+def int8_model(model: InferenceModel) -> InferenceModel:
     """`model` with int8 weights: itself when it has them, a quantize_int8 copy of an ASRModel, or an
-    exported model's int8 graphs (OnnxModel.int8_model)."""
+    exported model's int8 graphs (OnnxModel.int8_model). The one place that tells the two kinds
+    apart for int8: asr.decoding.DecodingTask and asr.api.Recognizer ask it, and never look."""
     if is_int8(model):
         return model
     if isinstance(model, ASRModel):

@@ -8,29 +8,25 @@ owns rows b*N .. b*N + N - 1), C candidates per row, V vocabulary.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["FullScorer", "PartialScorer", "Selection"]
+from asr.inference import DecoderState
+
+__all__ = ["CacheScorer", "CountingScorer", "FullScorer", "PartialScorer", "Selection"]
 
 
 class Selection(NamedTuple):
     """The hypotheses that go on after a step: row i of the new states continues row rows[i] with
     tokens[i]. R' < R drops utterances: rows then come in whole groups, N per kept utterance, and
-    group u of the new rows is utterance utterances[u] of the old ones. The other fields tell a
-    scorer which rows it may leave where they are (the search knows them without a host sync;
-    None: unknown, for the scorer to find)."""
+    group u of the new rows is utterance utterances[u] of the old ones. `counts`: for a
+    CountingScorer, the values of what its `selection_counts` asked for; () for the others."""
 
     rows: torch.Tensor  # (R',) long
     tokens: torch.Tensor  # (R',) long
     utterances: torch.Tensor  # (B',) long
-    moved: torch.Tensor | None = None  # (M,) long, the rows i with rows[i] != i, ascending
-    shared: torch.Tensor | None = None  # (M,) long: the decoder inputs (sos, then tokens), counted
-    # from the first, that the hypothesis moved into row i shares with the one row i held, of the
-    # same utterance (else 0)
-    copies: int = 0  # sum over the moved rows of (inputs so far - shared): the inputs that differ
-    moved_utterances: torch.Tensor | None = None  # (U,) long, the u with utterances[u] != u, ascending
+    counts: tuple[int, ...] = ()
 
     @staticmethod
     def of(rows: torch.Tensor, tokens: torch.Tensor, group: int) -> Selection:
@@ -66,3 +62,27 @@ class PartialScorer(Protocol):
     def select_state(self, state: Any, selection: Selection) -> Any: ...
 
     def final_score(self, state: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CountingScorer(Protocol):
+    """A scorer whose `select_state` needs a few numbers on the host (the decoder's cache: how many
+    rows and positions to copy). The search gets them without a host synchronization of their own:
+    it asks for them on the device before its one transfer per step, adds them to that transfer and
+    passes their values in Selection.counts."""
+
+    def selection_counts(self, state: Any, proposal: Selection, kept: torch.Tensor) -> torch.Tensor:
+        """(k,) long on the device: what select_state will need to keep `proposal` (all B utterances,
+        the kept ones first) cut to its first `kept` (a () long tensor) utterances."""
+
+
+class CacheScorer:
+    """What a full scorer whose state is a decoder cache (asr.inference.DecoderState: the attention
+    decoder's, a neural LM's) does to select: it is a CountingScorer that hands the rows to its
+    cache, and the cache's counts back to it."""
+
+    def selection_counts(self, state: DecoderState, proposal: Selection, kept: torch.Tensor) -> torch.Tensor:
+        return state.selection_counts(proposal.rows, kept)
+
+    def select_state(self, state: DecoderState, selection: Selection) -> DecoderState:
+        return state.select(selection.rows, selection.counts)

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from asr.ctc_prefix import CTCPrefixScorer, prefix_beam_search
-from asr.model import ASRModel, DecoderCache, ReorderPlan, TransformerDecoder
-from asr.scorer import FullScorer, PartialScorer, Selection
+from asr.inference import DecoderState, InferenceModel
+from asr.scorer import CacheScorer, CountingScorer, FullScorer, PartialScorer, Selection
 from asr.tokens import BLANK
 
 MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
@@ -42,7 +42,7 @@ MODES = ("attention", "greedy", "ctc_greedy", "ctc_rescore")  # keys of SEARCHES
 __all__ = [
     "MODES", "RATE_SLACK", "SEARCHES", "BeamSearch", "DecoderScorer", "Hypothesis", "Scorers", "SearchOptions",
     "attention_greedy", "beam_search", "check_fields", "ctc_greedy", "ctc_rescore", "decode_memory", "length_limits",
-    "max_lengths", "search", "search_nbest", "select_cache", "teacher_forced_scores",
+    "max_lengths", "search", "search_nbest", "teacher_forced_scores",
 ]
 
 
@@ -109,7 +109,7 @@ def max_lengths(memory_lens: torch.Tensor, ratio: float, *, tokens_per_frame: fl
     return limits.long()
 
 
-def length_limits(model: ASRModel, memory_lens: torch.Tensor, ratio: float, rate_factor: float) -> torch.Tensor:
+def length_limits(model: InferenceModel, memory_lens: torch.Tensor, ratio: float, rate_factor: float) -> torch.Tensor:
     """`max_lengths` (B,) with the model's training label rate."""
     config = model.config
     return max_lengths(memory_lens, ratio, tokens_per_frame=config.tokens_per_second / config.frames_per_second,
@@ -120,28 +120,18 @@ def length_limits(model: ASRModel, memory_lens: torch.Tensor, ratio: float, rate
 # which hypotheses go on, and where
 
 
-def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """The positions of the True entries of mask (n,), ascending, given their `count`: no host sync."""
-    return torch.argsort((~mask).to(torch.int8), stable=True)[:count]
-
-
-def _stay_counts(stay: torch.Tensor) -> torch.Tensor:
-    """(2,) long of stay (n,) bool: K = how many entries stay, and how many of those lie at or past
-    position K (they move into the holes below K); no host sync."""
-    kept = stay.cumsum(0)
-    return torch.stack([kept[-1], kept[-1] - kept[(kept[-1] - 1).clamp(min=0)]])
-
-
 def _fill_holes(stay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An order of the staying entries of stay (B,) bool that moves as few as possible: those of
     the first K = stay.sum() positions stay where they are, the others fill the holes there in
-    order. Returns (order (B,): order[:K] the entries kept, holes (B,) bool: the positions < K
-    filled from behind), both on the device."""
+    order. Returns (order (B,): order[:K] the entries kept, K ()), both on the device."""
+    kept = stay.sum()
+    if stay.numel() == 1:  # it stays or not: nothing moves
+        return torch.zeros(1, dtype=torch.long, device=stay.device), kept
     positions = torch.arange(stay.numel(), device=stay.device)
-    below = positions < stay.sum()
+    below = positions < kept
     holes = below & ~stay
     behind = torch.argsort((below | ~stay).to(torch.int8), stable=True)  # the staying ones past K first
-    return torch.where(holes, behind[(holes.cumsum(0) - 1).clamp(min=0)], positions), holes
+    return torch.where(holes, behind[holes.cumsum(0) - 1], positions), kept  # (index -1: a non-hole, unused)
 
 
 def _stable_slots(parents: torch.Tensor) -> torch.Tensor:
@@ -182,33 +172,22 @@ class Scorers:
         return bool(self.full or self.partial)
 
 
-class DecoderScorer:
-    """The attention decoder as a FullScorer; its state is the DecoderCache (cross-attention keys
-    and values projected once per utterance, shared by the N rows of the utterance), made for
-    `max_len` steps."""
+class DecoderScorer(CacheScorer):
+    """The model's attention decoder as a FullScorer and a CountingScorer; its state is the model's
+    DecoderState (asr.inference: cross-attention keys and values projected once per utterance,
+    shared by the N rows of the utterance), made for `max_len` steps."""
 
-    def __init__(self, decoder: TransformerDecoder, max_len: int = 64) -> None:
-        self.decoder, self.max_len = decoder, max_len
+    def __init__(self, model: InferenceModel, max_len: int = 64) -> None:
+        self.model, self.max_len = model, max_len
 
-    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> DecoderCache:
-        return self.decoder.init_cache(memory, memory_lens, rows=memory.size(0) * group, capacity=self.max_len)
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> DecoderState:
+        return self.model.init_cache(memory, memory_lens, rows=memory.size(0) * group, capacity=self.max_len)
 
-    def score(self, state: DecoderCache, last_tokens: torch.Tensor) -> tuple[torch.Tensor, DecoderCache]:
-        return self.decoder.step(last_tokens, None, None, state)  # memory is read from the cache
+    def score(self, state: DecoderState, last_tokens: torch.Tensor) -> tuple[torch.Tensor, DecoderState]:
+        return self.model.step(last_tokens, state)
 
-    def select_state(self, state: DecoderCache, selection: Selection) -> DecoderCache:
-        return select_cache(state, selection)
-
-    def final_score(self, state: DecoderCache) -> torch.Tensor:
-        return torch.zeros(state.rows, device=state.self_kv.device)  # ending is scored as the eos token
-
-
-def select_cache(cache: DecoderCache, selection: Selection) -> DecoderCache:
-    """A DecoderCache of the hypotheses `selection` keeps, moving only what it says changed (a
-    cache of the decoder's inputs, sos then the tokens: the decoder's, or a neural LM's)."""
-    plan = ReorderPlan(rows=selection.moved, start=selection.shared, copies=selection.copies,
-                       groups=selection.moved_utterances)
-    return cache.reorder(selection.rows, plan)
+    def final_score(self, state: DecoderState) -> torch.Tensor:
+        return torch.zeros(state.rows, device=self.model.device)  # ending is scored as the eos token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,28 +219,32 @@ class BeamSearch:
         self.beam, self.pre_beam_size, self.eos = beam_size, pre_beam_size, eos
         self.excluded = (eos, *excluded)  # never in the pre-beam (eos is every row's last candidate)
         self.length_bonus, self.nbest = length_bonus, nbest
+        self.counting = {name: scorer for name, scorer in {**full, **partial}.items()
+                         if isinstance(scorer, CountingScorer)}  # the scorers that add to the step's transfer
 
     @torch.no_grad()
     def __call__(self, memory: torch.Tensor, memory_lens: torch.Tensor,
                  limits: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
         """n-best of each utterance; limits (B,) long: the most tokens each may get."""
-        longest = int(limits.max())
+        longest, shortest = torch.stack([limits.max(), limits.min()]).tolist()
         run = _Running.start(self, memory, memory_lens, limits, longest)
         ended = _Ended(memory.size(0), self.beam, run.history.size(1), memory.device)
         excluded = torch.tensor(self.excluded, device=memory.device)
         for t in range(longest + 1):
-            candidates, scores = self._expand(run, t, excluded)  # (R, C) each
+            cut = t >= shortest  # an utterance may be at its length limit (before, none is: skip the masks)
+            candidates, scores = self._expand(run, t, excluded, cut)  # (R, C) each
             ended.add(run, candidates, scores, self.beam)
             best = self._best_running(scores)  # (B, N) each
-            stay = self._staying(run, ended, best.values, t)
+            stay = self._staying(run, ended, best.values, t, cut)
             chosen = self._select(run, stay, best, candidates)  # the step's host sync
             if chosen is None:
                 break
             run = self._advance(run, *chosen)
         return ended.hypotheses(self.nbest)
 
-    def _expand(self, run: _Running, t: int, excluded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidates (R, C) (pre-beam tokens, eos last) and their total scores (R, C)."""
+    def _expand(self, run: _Running, t: int, excluded: torch.Tensor, cut: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates (R, C) (pre-beam tokens, eos last) and their total scores (R, C); `cut`: an
+        utterance may have reached its length limit."""
         full = {}
         for name, scorer in self.full.items():
             full[name], run.states[name] = scorer.score(run.states[name], run.last)  # (R, V)
@@ -287,9 +270,10 @@ class BeamSearch:
         scores[:, -1] += final
         if self.length_bonus:
             scores[:, :-1] += self.length_bonus
-        at_limit = (run.limits <= t).repeat_interleave(self.beam)  # (R,): cut, without an eos charge
-        scores[:, -1] = torch.where(at_limit, run.scores + final, scores[:, -1])
-        scores[:, :-1].masked_fill_(at_limit[:, None], float("-inf"))
+        if cut:
+            at_limit = (run.limits <= t).repeat_interleave(self.beam)  # (R,): cut, without an eos charge
+            scores[:, -1] = torch.where(at_limit, run.scores + final, scores[:, -1])
+            scores[:, :-1].masked_fill_(at_limit[:, None], float("-inf"))
         return candidates, scores
 
     def _best_running(self, scores: torch.Tensor) -> torch.return_types.topk:
@@ -298,65 +282,49 @@ class BeamSearch:
         scores[:, -1] = float("-inf")
         return scores.view(-1, self.beam * scores.size(1)).topk(self.beam, dim=1)
 
-    def _staying(self, run: _Running, ended: _Ended, best: torch.Tensor, t: int) -> torch.Tensor:
-        """(B,) bool: the utterances that go on after step t."""
+    def _staying(self, run: _Running, ended: _Ended, best: torch.Tensor, t: int, cut: bool) -> torch.Tensor:
+        """(B,) bool: the utterances that go on after step t (`cut`: one may be at its length limit)."""
         done_scores = ended.scores[run.utterances]  # (B, N), best first
         full = (done_scores > float("-inf")).sum(dim=1) >= self.beam
-        done = full | (run.limits <= t) | (best[:, 0] == float("-inf"))
+        done = full | (best[:, 0] == float("-inf"))
+        if cut:
+            done |= run.limits <= t
         if self.length_bonus <= 0:
             done |= done_scores[:, self.nbest - 1] >= best[:, 0]
         return ~done
 
     def _select(self, run: _Running, stay: torch.Tensor, best: torch.return_types.topk,
-                candidates: torch.Tensor) -> tuple[Selection, torch.Tensor] | None:
+                candidates: torch.Tensor) -> tuple[Selection, dict[str, tuple[int, ...]], torch.Tensor] | None:
         """The best N running candidates (best (B, N) into each utterance's N * C candidates) of
-        the staying utterances (stay (B,) bool): their Selection and scores (R',); None when no
-        utterance stays. Makes the step's one host synchronization: how many rows stay and move."""
+        the staying utterances (stay (B,) bool): their Selection, the counting scorers' counts and
+        the scores (R',); None
+        when no utterance stays. Makes the step's one host synchronization: how many utterances
+        stay, and the numbers the counting scorers asked for."""
         n, c = self.beam, candidates.size(1)
         slot_of = _stable_slots(best.indices // c)  # (B, N)
         index = best.indices.gather(1, slot_of)  # (B, N), by the row (within the utterance) each goes to
         parent, values = index // c, best.values.gather(1, slot_of)  # (B, N) each: the row each continues
         tokens = candidates.view(-1, n * c).gather(1, index)  # (B, N)
-        shared = self._shared_inputs(run, parent)  # (B, N)
-        own = torch.arange(n, device=parent.device)  # (N,)
-        moved = parent != own  # (B, N)
-        counts = _stay_counts(stay)  # utterances kept, and those that move into the first groups
-        in_place = (stay & (torch.arange(stay.numel(), device=stay.device) < counts[0]))[:, None]  # (B, 1)
-        stats = torch.cat([counts, torch.stack([(moved & in_place).sum(),
-                                                torch.where(moved & in_place, run.length + 1 - shared, 0).sum()])])
-        count, n_holes, n_moved, copies = stats.tolist()  # the step's host sync
+        order, kept = _fill_holes(stay)  # (B,) the staying utterances first; the utterances behind fill holes
+        proposal = Selection((order[:, None] * n + parent[order]).flatten(), tokens[order].flatten(), order)
+        asked = {name: scorer.selection_counts(run.states[name], proposal, kept)
+                 for name, scorer in self.counting.items()}
+        numbers = torch.cat([kept.view(1), *asked.values()]).tolist()  # the step's host sync
+        count = numbers[0]
         if count == 0:
             return None
-        utterances = torch.arange(count, device=stay.device)
-        moved_utterances = utterances[:0]
-        if count < stay.numel():  # dropping: the utterances behind fill the holes
-            order, filled = _fill_holes(stay)
-            utterances, filled = order[:count], filled[:count]
-            moved_utterances = _true_positions(filled, n_holes)
-            parent, tokens, values, shared = (x[utterances] for x in (parent, tokens, values, shared))
-            moved = (parent != own) | filled[:, None]  # an utterance that moves moves all its rows
-            shared = shared.masked_fill(filled[:, None], 0)  # another utterance's rows: nothing shared
-            n_moved, copies = n_moved + n_holes * n, copies + n_holes * n * (run.length + 1)
-        rows = (utterances[:, None] * n + parent).flatten()  # (R',)
-        moved = _true_positions(moved.flatten(), n_moved)
-        selection = Selection(rows, tokens.flatten(), utterances, moved, shared.flatten()[moved], copies,
-                              moved_utterances)
-        return selection, values.flatten()
+        counts, at = {}, 1
+        for name, asked_counts in asked.items():
+            counts[name], at = tuple(numbers[at:at + asked_counts.numel()]), at + asked_counts.numel()
+        selection = Selection(proposal.rows[:count * n], proposal.tokens[:count * n], order[:count])
+        return selection, counts, values[order[:count]].flatten()
 
-    @staticmethod
-    def _shared_inputs(run: _Running, parent: torch.Tensor) -> torch.Tensor:
-        """(B, N): the decoder inputs (sos, then tokens), counted from the first, that the
-        hypothesis in row n of each utterance shares with the one in its row parent[b, n]."""
-        if run.length == 0:
-            return torch.ones_like(parent)  # sos alone
-        history = run.history[:, :run.length].view(*parent.shape, run.length)  # (B, N, length)
-        differ = history.gather(1, parent[..., None].expand_as(history)) != history
-        return 1 + torch.where(differ.any(dim=2), differ.int().argmax(dim=2), run.length)
-
-    def _advance(self, run: _Running, selection: Selection, scores: torch.Tensor) -> _Running:
-        """The running hypotheses after this step's choices (scores (R',))."""
+    def _advance(self, run: _Running, selection: Selection, counts: dict[str, tuple[int, ...]],
+                 scores: torch.Tensor) -> _Running:
+        """The running hypotheses after this step's choices (scores (R',)); each counting scorer
+        gets its counts in its Selection."""
         for name, scorer in {**self.full, **self.partial}.items():
-            run.states[name] = scorer.select_state(run.states[name], selection)
+            run.states[name] = scorer.select_state(run.states[name], selection._replace(counts=counts.get(name, ())))
         history = run.history[selection.rows]
         history[:, run.length] = selection.tokens
         return _Running(run.states, scores, selection.tokens, history, run.length + 1,
@@ -425,7 +393,7 @@ def _nbest_lists(scores: torch.Tensor, tokens: torch.Tensor, nbest: int) -> list
     return out
 
 
-def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+def beam_search(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                 options: SearchOptions, scorers: Scorers | None = None) -> list[tuple[Hypothesis, ...]]:
     """Joint CTC/attention beam search (attention only when options.ctc_weight == 0; blank is
     then an ordinary token of the decoder, as in greedy search, else never a candidate), with the
@@ -437,7 +405,7 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
     excluded = (BLANK,) if weight > 0 else ()
     pre_beam = options.beam_size if weight == 0 else int(options.pre_beam_ratio * options.beam_size)
     limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
-    full: dict[str, FullScorer] = {"decoder": DecoderScorer(model.decoder, int(limits.max()) + 1), **scorers.full}
+    full: dict[str, FullScorer] = {"decoder": DecoderScorer(model, int(limits.max()) + 1), **scorers.full}
     search = BeamSearch(
         full=full, partial={**partial, **scorers.partial},
         weights={"decoder": 1.0 - weight, "ctc": weight, **scorers.weights},
@@ -453,7 +421,7 @@ def beam_search(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
 
 
 @torch.no_grad()
-def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
+def attention_greedy(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
                      max_len_ratio: float = 1.0, max_rate_factor: float = 2.0) -> list[Hypothesis]:
     """Greedy decoding with the cached decoder, all utterances at once.
 
@@ -465,24 +433,27 @@ def attention_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.T
     rows = (limits > 0).nonzero()[:, 0]  # (R,) utterance of each live row
     if rows.numel() == 0:
         return [Hypothesis((), 0.0) for _ in range(batch)]
-    longest = int(limits.max())
+    longest, shortest = torch.stack([limits.max(), limits[rows].min()]).tolist()
     tokens = limits.new_full((batch, longest), -1)  # (B, longest), -1 = not emitted
     scores = memory.new_zeros(batch, dtype=torch.float32)
-    cache = model.decoder.init_cache(memory[rows], memory_lens[rows], rows=rows.numel(), capacity=longest)
+    cache = model.init_cache(memory[rows], memory_lens[rows], rows=rows.numel(), capacity=longest)
     last = limits.new_full((rows.numel(),), model.config.sos)  # (R,)
     for t in range(longest):
-        log_probs, cache = model.decoder.step(last, memory, memory_lens, cache)  # (R, V)
+        log_probs, cache = model.step(last, cache)  # (R, V)
         best_lp, last = log_probs.max(dim=-1)  # (R,)
         tokens[rows, t] = last
         scores[rows] += best_lp
-        stay = (last != eos) & (limits[rows] > t + 1)  # (R,)
-        count, n_holes = _stay_counts(stay).tolist()  # the step's host sync
+        stay = last != eos  # (R,)
+        if t + 1 >= shortest:  # a row may be at its length limit
+            stay &= limits[rows] > t + 1
+        order, kept = _fill_holes(stay)  # the staying rows first, those behind filling the holes
+        asked = [cache.selection_counts(order, kept)] if rows.numel() > 1 else []  # one row stays or ends
+        count, *counts = torch.cat([kept.view(1), *asked]).tolist()  # the step's host sync
         if count == 0:
             break
         if count < rows.numel():
-            order, holes = _fill_holes(stay)
-            order, moved = order[:count], _true_positions(holes[:count], n_holes)
-            rows, last, cache = rows[order], last[order], cache.reorder(order, ReorderPlan(rows=moved, groups=moved))
+            order = order[:count]
+            rows, last, cache = rows[order], last[order], cache.select(order, counts)
     return [_hypothesis(row, eos, score) for row, score in zip(tokens.tolist(), scores.tolist())]
 
 
@@ -493,7 +464,7 @@ def _hypothesis(row: list[int], eos: int, score: float) -> Hypothesis:
 
 
 @torch.no_grad()
-def ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
+def ctc_greedy(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor, *,
                max_len_ratio: float = 1.0, max_rate_factor: float = 2.0) -> list[Hypothesis]:
     """Best-path CTC decoding: the most likely token per frame, repeats merged, blanks removed,
     cut to length_limits(...) tokens (see SearchOptions)."""
@@ -518,7 +489,7 @@ _RESCORE_ELEMENTS = 1 << 26  # log-probabilities (rows x positions x V) per teac
 
 
 @torch.no_grad()
-def ctc_rescore(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+def ctc_rescore(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                 options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
     """CTC prefix beam search (beam_size prefixes per utterance), each prefix then scored by the
     teacher-forced decoder: (1 - ctc_weight) * attention + ctc_weight * CTC + length_bonus * len."""
@@ -536,7 +507,7 @@ def ctc_rescore(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor
     return _nbest_lists(order.values, tokens, options.nbest)
 
 
-def teacher_forced_scores(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, tokens: torch.Tensor,
+def teacher_forced_scores(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor, tokens: torch.Tensor,
                           lengths: torch.Tensor) -> torch.Tensor:
     """log P_att(y, eos) (B, N) of N sequences per utterance: tokens (B, N, L) -1 padded, lengths (B, N).
 
@@ -552,8 +523,8 @@ def teacher_forced_scores(model: ASRModel, memory: torch.Tensor, memory_lens: to
     out = []
     for b in range(0, batch, step):
         rows = slice(b * n, (b + step) * n)
-        log_probs = model.decoder(inputs[rows], lengths.flatten()[rows] + 1, memory[b:b + step],
-                                  memory_lens[b:b + step])  # (rows, L + 1, V)
+        log_probs = model.teacher_forced(inputs[rows], lengths.flatten()[rows] + 1, memory[b:b + step],
+                                         memory_lens[b:b + step])  # (rows, L + 1, V)
         picked = log_probs.gather(2, targets[rows].clamp(min=0)[..., None])[..., 0]
         out.append(picked.masked_fill(targets[rows] < 0, 0.0).sum(dim=1))
     return torch.cat(out).view(batch, n)
@@ -562,13 +533,13 @@ def teacher_forced_scores(model: ASRModel, memory: torch.Tensor, memory_lens: to
 # ---------------------------------------------------------------------------------------------
 # entry points
 
-def _greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+def _greedy(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor,
             options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
     return [(h,) for h in attention_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio,
                                            max_rate_factor=options.max_rate_factor)]
 
 
-def _ctc_greedy(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+def _ctc_greedy(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                 options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
     return [(h,) for h in ctc_greedy(model, memory, memory_lens, max_len_ratio=options.max_len_ratio,
                                      max_rate_factor=options.max_rate_factor)]
@@ -578,7 +549,7 @@ SEARCHES = {"attention": beam_search, "greedy": _greedy, "ctc_greedy": _ctc_gree
 
 
 @torch.no_grad()
-def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor,
+def decode_memory(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor,
                   options: SearchOptions, scorers: Scorers | None = None) -> list[tuple[Hypothesis, ...]]:
     """The n-best (at most options.nbest, best first) of each utterance of an encoder output;
     without encoder frames (input shorter than the subsampling's receptive field), the empty
@@ -598,17 +569,17 @@ def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tens
 
 
 @torch.no_grad()
-def search_nbest(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
+def search_nbest(model: InferenceModel, feats: torch.Tensor, feat_lens: torch.Tensor,
                  options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
     """Encode feats (B, T, n_mels), feat_lens (B,) and search them as `options` say: the n-best
     of each utterance, best first (the search alone: a lexicon or an LM is asr.decoding.DecodingTask's).
     The model should be in eval mode."""
-    memory, memory_lens = model.encoder(feats, feat_lens)
+    memory, memory_lens = model.encode(feats, feat_lens)
     return decode_memory(model, memory, memory_lens, options)
 
 
 @torch.no_grad()
-def search(model: ASRModel, feats: torch.Tensor, feat_lens: torch.Tensor,
+def search(model: InferenceModel, feats: torch.Tensor, feat_lens: torch.Tensor,
            options: SearchOptions | None = None) -> list[Hypothesis]:
     """The best hypothesis of each utterance (options None: greedy attention decoding, what training
     validates with)."""

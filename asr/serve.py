@@ -17,7 +17,8 @@ Requests that arrive together are decoded together: the worker takes what is wai
 `Recognizer.transcribe` over all of them, whose segments share the batched search. Uploads are read
 and checked before they queue, so a bad file never reaches the model and the queue holds only
 waveforms (at most queue_size x max_seconds of 16 kHz float32). The server sets no thread count:
-`asr serve --threads N` sets torch's once, at start-up.
+`asr serve` decides it once, at start-up, as the other decoding commands do
+(asr.decoding.thread_policy), and the Recognizer's tasks apply it.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from typing import Any
 
 import torch
 
-from asr.api import Recognizer, Result, result_dict
+from asr.api import Recognizer, Result
 from asr.audio import SAMPLE_RATE, AudioError, audio_info, iter_blocks
+from asr.formats import result_dict
 
 __all__ = ["ServeOptions", "Server", "UploadError", "run"]
 

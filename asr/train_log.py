@@ -1,12 +1,15 @@
 """What a training run reports: the progress bar, EXP/metrics.jsonl, TensorBoard and the curves.
 
 EXP/metrics.jsonl holds one JSON record a line: {"kind": "train", "step", "epoch", ...} every
-`log_every` optimizer steps, {"kind": "valid", "step", "epoch", ...} at each validation and
-{"kind": "warning", "step", "epoch", "what", "message", ...} when the run looks wrong (a CTC loss
-stuck at chance).
+`log_every` optimizer steps (the task's metrics, the learning rate, the gradient norm, the
+throughput and the amount trained on so far, in the task's unit: "audio_s_per_s" and
+"audio_hours" for speech, "tokens_per_s" and "tokens" for a language model), {"kind": "valid",
+"step", "epoch", ...} at each validation and {"kind": "warning", "step", "epoch", "what",
+"message", ...} when the run looks wrong (a CTC loss stuck at chance).
 TensorBoard (EXP/tensorboard) gets every number of those records as `<kind>/<key>`; `plot_curves`
 draws them into a PNG at the end of training. Pictures of a validation (the attention pictures)
 go to EXP/<folder>/epoch<k>/<name>.png and to TensorBoard as images `<folder>/<name>`.
+What the numbers count is the task's (asr.train_task.Unit); this module knows no task.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from asr.fileio import atomic_open
+from asr.train_task import Unit
 
 __all__ = ["TrainLog", "plot_curves", "progress", "read_records"]
 
@@ -39,11 +43,11 @@ class TrainLog:
     again, so the logs read as those of one uninterrupted run.
 
     What a step's sums mean is the task's: `summarize` turns them into the train record's metrics;
-    `speed_key` names the throughput (e.g. audio seconds per second)."""
+    `unit` names the throughput and the amount trained on (e.g. audio seconds per second, hours)."""
 
-    def __init__(self, exp: Path, enabled: bool, *, summarize: Summarize, speed_key: str, resumed_at: int = 0):
+    def __init__(self, exp: Path, enabled: bool, *, summarize: Summarize, unit: Unit, resumed_at: int = 0):
         self.enabled = enabled
-        self.summarize, self.speed_key = summarize, speed_key
+        self.summarize, self.unit = summarize, unit
         self.exp, self.path = exp, exp / "metrics.jsonl"
         self.writer = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -70,18 +74,19 @@ class TrainLog:
         self.last_step_end = time.perf_counter()
 
     def throughput(self, amount: float) -> float:
-        """`amount` (what a step processed, all ranks: audio seconds for speech) per wall second
-        since the last step ended, data waits included."""
+        """`amount` (what a step processed, all ranks, in the unit) per wall second since the last
+        step ended, data waits included."""
         now = time.perf_counter()
         speed, self.last_step_end = amount / max(now - self.last_step_end, 1e-9), now
         return speed
 
-    def train_step(self, step: int, epoch: int, skipped_steps: int, sums: torch.Tensor, norm: torch.Tensor,
-                   grad_norm: torch.Tensor, lr: float, speed: float, bar, every: int,
-                   batches: int) -> dict[str, Any] | None:
-        """Every rank calls this after each step (`step` optimizer steps taken, `epoch` 1-based);
-        every `every` steps the ranks' shares of the step `sums` are summed (one all-reduce, the
-        same step on every rank) and rank 0 writes the record, which it returns (else None)."""
+    def train_step(self, step: int, epoch: int, sums: torch.Tensor, norm: torch.Tensor, grad_norm: torch.Tensor,
+                   bar, every: int, batches: int, *, lr: float, speed: float, trained: float,
+                   skipped_steps: int) -> dict[str, Any] | None:
+        """Every rank calls this after each step (`step` optimizer steps taken, `epoch` 1-based,
+        `trained` the amount trained on so far, in the unit); every `every` steps the ranks' shares
+        of the step `sums` are summed (one all-reduce, the same step on every rank) and rank 0
+        writes the record, which it returns (else None)."""
         bar.update(batches)
         self.pending.append((sums, norm, grad_norm))
         if step % every:
@@ -95,10 +100,12 @@ class TrainLog:
         self.pending = []
         if not self.enabled:
             return None
-        record = {"kind": "train", "step": step, "epoch": epoch, **self.summarize(total, counts, n),
-                  "lr": lr, "grad_norm": gnorm, self.speed_key: speed, "skipped_steps": skipped_steps}
+        unit = self.unit
+        record = {"kind": "train", "step": step, "epoch": epoch, **self.summarize(total, counts, n), "lr": lr,
+                  "grad_norm": gnorm, unit.speed_key: speed, unit.total_key: unit.total(trained),
+                  "skipped_steps": skipped_steps}
         self._write(record)
-        bar.set_postfix({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}", self.speed_key: f"{speed:.0f}"})
+        bar.set_postfix({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}", unit.speed_key: f"{speed:.0f}"})
         return record
 
     def warning(self, step: int, epoch: int, what: str, message: str, **values: float) -> None:
@@ -118,15 +125,18 @@ class TrainLog:
         log.info("epoch %d validation: %s", result["epoch"], parts)
 
     def pictures(self, folder: str, epoch: int, step: int, images: dict[str, np.ndarray]) -> None:
-        """The pictures of a validation, (H, W, 3 or 4) uint8 by name (rank 0): PNG files
-        EXP/<folder>/epoch<epoch>/<name>.png and TensorBoard images `<folder>/<name>` at `step`."""
+        """The pictures of a validation, (H, W, 3 or 4) uint8 by file name <name>.png (rank 0): PNG
+        files EXP/<folder>/epoch<epoch>/<name>.png and TensorBoard images `<folder>/<name>` at `step`."""
         if not self.enabled or not images:
             return
-        from asr.attention_plot import picture_name, write_png
+        from matplotlib.image import imsave
 
-        for name, image in images.items():
-            write_png(image, self.exp / folder / f"epoch{epoch}" / picture_name(name))
-            self.writer.add_image(f"{folder}/{name}", image[..., :3], step, dataformats="HWC")
+        where = self.exp / folder / f"epoch{epoch}"
+        where.mkdir(parents=True, exist_ok=True)
+        for file_name, image in images.items():
+            with atomic_open(where / file_name, "wb") as f:
+                imsave(f, image, format="png")
+            self.writer.add_image(f"{folder}/{Path(file_name).stem}", image[..., :3], step, dataformats="HWC")
         self.writer.flush()
 
     def close(self) -> None:

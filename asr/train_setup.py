@@ -1,26 +1,95 @@
-"""What a training run is built from, before the loop: the experiment folder's config (completed
-for the resume check), the tokenizer and CMVN statistics (given, or built in EXP by rank 0), the
-feature archive, and the training targets' rate. Used by asr.trainer.train."""
+"""asr train's experiment, before the loop: its config file (`ExperimentConfig`: the model, data,
+tokenizer and training sections; `batch_plan`, its steps for a number of processes), the
+experiment folder's config completed for the resume check, the tokenizer and CMVN statistics
+(given, or built in EXP by rank 0), the feature archive, and the training targets' rate. Used by
+asr.train_asr.train.
+
+    config = load_experiment_config("conf/synth.yaml", ["training.lr=1e-3"])
+    plan = batch_plan(config, world_size=8)   # micro-batches per process and step, their cap
+"""
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from asr.checkpoint import TrainingError
-from asr.config import ConfigError, from_dict, to_dict
+from asr.config import ConfigError, from_dict, load_config, to_dict
 from asr.distributed import Context
 from asr.feature_archive import FeatureArchive, FeatureArchiveError
 from asr.features import CMVNStats
-from asr.loader import compute_cmvn
+from asr.loader import DataConfig, compute_cmvn
 from asr.metrics import normalize_text
+from asr.model import ModelConfig
 from asr.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
-from asr.train_config import ExperimentConfig
+from asr.train_config import BatchPlan, TrainingConfig, plan_batches
 
-__all__ = ["check_mel_bins", "completed_config", "experiment_cmvn", "experiment_tokenizer", "feature_archive",
-           "label_rate"]
+__all__ = ["ExperimentConfig", "TokenizerConfig", "batch_plan", "check_mel_bins", "completed_config",
+           "experiment_cmvn", "experiment_tokenizer", "feature_archive", "label_rate", "load_experiment_config"]
 
 log = logging.getLogger("asr.train")
+
+
+# ---------------------------------------------------------------------------------------------
+# the config file
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """The tokenizer `asr train` builds when none is given."""
+
+    kind: Literal["char", "bpe", "unigram"] = "char"
+    vocab_size: int | None = None  # sentencepiece pieces (bpe, unigram)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole `asr train` config file: conf/*.yaml."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def __post_init__(self) -> None:
+        # the model's frame shift is the frontend's (derived, never written twice)
+        shift = self.data.features.frame_shift_ms
+        if self.model.frame_shift_ms != shift:
+            object.__setattr__(self, "model", dataclasses.replace(self.model, frame_shift_ms=shift))
+        tc, cap = self.training, self.data.max_batch_seconds
+        if tc.split_hours < 0 or not tc.split_seconds > 0:
+            raise ValueError(f"training.split_hours ({tc.split_hours:g}) must be >= 0 and training.split_seconds "
+                             f"({tc.split_seconds:g}) positive")
+        if tc.accum_grad < 1:
+            raise ValueError(f"training.accum_grad must be >= 1, got {tc.accum_grad}")
+        if tc.attention_plots < 0:
+            raise ValueError(f"training.attention_plots must be >= 0 (0: no attention pictures), got "
+                             f"{tc.attention_plots}")
+        if tc.global_batch_seconds:
+            micro = tc.global_batch_seconds / cap
+            if tc.accum_grad != 1:
+                raise ValueError("set training.global_batch_seconds or training.accum_grad, not both (the "
+                                 "accumulation follows from the global batch and the number of processes)")
+            if micro < 1 or abs(micro - round(micro)) > 1e-6:
+                raise ValueError(f"training.global_batch_seconds ({tc.global_batch_seconds:g}) must be a whole "
+                                 f"multiple of data.max_batch_seconds ({cap:g})")
+
+
+def batch_plan(config: ExperimentConfig, world_size: int) -> BatchPlan:
+    """The steps of `world_size` processes (asr.train_config.plan_batches) in padded seconds of
+    audio: training.global_batch_seconds in micro-batches of data.max_batch_seconds."""
+    tc = config.training
+    return plan_batches(tc.global_batch_seconds, config.data.max_batch_seconds, tc.accum_grad, world_size)
+
+
+def load_experiment_config(path: str, overrides: list[str]) -> ExperimentConfig:
+    return load_config(ExperimentConfig, path, overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# the experiment folder
 
 
 def completed_config(saved: dict[str, Any]) -> dict[str, Any]:

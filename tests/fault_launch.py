@@ -25,8 +25,8 @@ import sys
 import torch
 
 import asr.trainer
+from asr.asr_task import ASRTask
 from asr.cli import main
-from asr.train_task import ASRTask
 
 
 def dump_rank_weights() -> None:

@@ -16,11 +16,14 @@ from test_beam_search import tiny_model
 
 import asr
 import asr.decoding
-from asr.api import Recognizer, Result, Segment, SegmentOptions, format_results, load_model, segment_audio
+from asr.api import Recognizer, Result, Segment, load_model
 from asr.audio import RawFormat
 from asr.checkpoint import CheckpointError, model_file, save_atomic
 from asr.config import to_dict
 from asr.features import CMVNStats, FeatureConfig, fbank
+from asr.formats import format_results
+from asr.search import Hypothesis
+from asr.segmentation import SegmentOptions, segment_audio
 from asr.tokenizer import CharTokenizer
 
 TOKENS = list("ABCDEFGH ")  # V = 12, the tiny model's vocabulary
@@ -176,6 +179,69 @@ def test_batched_transcription_equals_one_at_a_time(talking):
         (alone,) = talking.transcribe(wave, beam_size=4)
         assert (alone.text, alone.tokens) == (result.text, result.tokens)
         assert alone.score == pytest.approx(result.score, abs=1e-4)
+
+
+
+class ContractOnly:
+    """A model's inference contract (asr.inference.InferenceModel) and nothing more: no encoder, no
+    decoder, no parameters to look at."""
+
+    def __init__(self, model) -> None:
+        self._model, self.config = model, model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self._model.device
+
+    @property
+    def min_frames(self) -> int:
+        return self._model.min_frames
+
+    def encode(self, feats, feat_lens):
+        return self._model.encode(feats, feat_lens)
+
+    def ctc_log_probs(self, memory):
+        return self._model.ctc_log_probs(memory)
+
+    def init_cache(self, memory, memory_lens, *, rows, capacity=64):
+        return self._model.init_cache(memory, memory_lens, rows=rows, capacity=capacity)
+
+    def step(self, last_tokens, cache):
+        return self._model.step(last_tokens, cache)
+
+    def teacher_forced(self, tokens, token_lens, memory, memory_lens):
+        return self._model.teacher_forced(tokens, token_lens, memory, memory_lens)
+
+
+@pytest.mark.parametrize("mode", ["attention", "ctc_rescore", "greedy"])
+def test_the_decoding_task_reads_the_model_through_its_contract_alone(talking, mode):
+    """DecodingTask drives anything that implements asr.inference.InferenceModel: a wrapper that
+    has the contract's members and nothing else decodes (and aligns) as the model itself, the
+    short-input rule included (min_frames)."""
+    options = asr.decoding.DecodingOptions(mode=mode, beam_size=3)
+    waves = [torch.from_numpy(speechlike(s, i)) for i, s in enumerate([1.5, 0.02, 2.2])]
+    feats = [talking.feats(w) for w in waves]
+    assert feats[1].size(0) < talking.model.min_frames <= feats[0].size(0)
+    seconds = [w.numel() / 16000 for w in waves]
+    want = asr.decoding.DecodingTask(talking.model, talking.tokenizer, options).run_aligned(feats, seconds)
+    got = asr.decoding.DecodingTask(ContractOnly(talking.model), talking.tokenizer, options).run_aligned(feats, seconds)
+    assert [n[0].tokens for n, _ in got] == [n[0].tokens for n, _ in want] and want[0][0][0].tokens
+    assert [w for _, w in got] == [w for _, w in want] and got[1] == ((Hypothesis((), 0.0),), [])
+
+
+def test_the_recognizer_gives_the_features_of_waveforms_and_of_manifests(talking, tmp_path):
+    """Recognizer.dataset computes, in the loader's process, the features `feats` gives (the
+    decode path and the transcribe path read the same numbers); unusable audio is Skipped."""
+    from asr.dataset import Example, Skipped
+    from asr.manifest import Utterance
+
+    wave = speechlike(1.3, 7)
+    sf.write(tmp_path / "a.wav", wave, 16000, subtype="FLOAT")
+    utts = [Utterance("a", str(tmp_path / "a.wav"), 1.3, "AB"), Utterance("gone", str(tmp_path / "gone.wav"), 1.0, "")]
+    dataset = talking.dataset(utts)
+    first, missing = dataset[0], dataset[1]
+    assert isinstance(first, Example) and isinstance(missing, Skipped) and missing.id == "gone"
+    assert torch.equal(first.feats, talking.feats(torch.from_numpy(wave)).cpu())
 
 
 def test_segments_cut_at_pauses_whatever_the_blocks():

@@ -1,5 +1,7 @@
-"""Attention pictures: the explicit attention path beside the fused one, `asr decode --plot-attention`
-and the pictures a training run draws at each validation."""
+"""Attention pictures: the explicit attention path beside the fused one, the three kinds of picture
+(cross-attention, encoder and decoder self-attention), `asr decode --plot-attention` and the
+pictures a training run draws at each validation. (The self-attention weights themselves:
+tests/test_model_details.py.)"""
 from __future__ import annotations
 
 import json
@@ -11,13 +13,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from matplotlib.image import imread
+from small_models import small_model  # tests/small_models.py
 from test_api import write_decode_files, write_model_file
 from test_beam_search import random_memory, tiny_model
 from test_trainer import asr_train, make_corpus
 
 from asr import cli
-from asr.attention_plot import AttentionFigure, cross_attention, draw_attention
+from asr.attention_plot import (
+    KINDS,
+    AttentionFigure,
+    attention_pictures,
+    attention_weights,
+    cross_attention,
+    draw_attention,
+    picture_name,
+)
 from asr.model import MultiHeadAttention, key_mask
+from asr.tokenizer import CharTokenizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LENGTHS = [9, 4, 1]  # memory frames of each utterance: the longest unpadded, one of a single frame
@@ -109,18 +121,69 @@ def test_cross_attention_of_one_utterance_is_its_rows_in_a_batch():
         torch.testing.assert_close(alone, batch[:, b, :, :, :frames].mean(1).float(), atol=1e-6, rtol=0)
 
 
-def test_a_redrawn_figure_is_the_figure_drawn_afresh():
-    """Training lays an utterance's figure out once and redraws only its heatmaps."""
-    labels = [*"HE SAID", "<eos>"]
-    figure = AttentionFigure((2, 8, 30), labels, title="u0: HE SAID", frame_ms=40.0)
-    first = figure.draw(torch.rand(2, 8, 30))
-    weights = torch.rand(2, 8, 30).softmax(-1)
+FIGURES = {  # kind -> (shape, row labels, column labels) of a figure of that kind
+    "cross": ((2, 8, 30), [*"HE SAID", "<eos>"], None),
+    "encoder_self": ((3, 30, 30), None, None),
+    "decoder_self": ((2, 8, 8), [*"HE SAID", "<eos>"], ["<sos>", *"HE SAID"]),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_redrawn_figure_is_the_figure_drawn_afresh(kind):
+    """Training lays an utterance's figure out once and redraws only its heatmaps; each kind."""
+    shape, labels, columns = FIGURES[kind]
+    figure = AttentionFigure(shape, labels, title="u0: HE SAID", frame_ms=40.0, kind=kind, columns=columns)
+    first = figure.draw(torch.rand(shape))
+    weights = torch.rand(shape).softmax(-1)
     again = figure.draw(weights)
     assert first.shape == again.shape and first.dtype == np.uint8 and first.shape[-1] == 4
     assert not np.array_equal(first, again)
-    assert np.array_equal(again, draw_attention(weights, labels, title="u0: HE SAID", frame_ms=40.0))
+    assert np.array_equal(again, draw_attention(weights, labels, title="u0: HE SAID", frame_ms=40.0, kind=kind,
+                                                columns=columns))
     with pytest.raises(ValueError, match="shape"):
-        figure.draw(torch.rand(2, 9, 30))
+        figure.draw(torch.rand(shape[0], shape[1] + 1, shape[2]))
+    with pytest.raises(ValueError, match="kind"):
+        AttentionFigure(shape, labels, kind="decoder")
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "conformer"])
+def test_attention_pictures_draw_each_kind(encoder):
+    """attention_weights: one utterance's three kinds, mean over heads, from one pass each: the
+    cross-attention that `cross_attention` gives over the same encoder output, the encoder's rows
+    summing to 1 over its frames, the decoder's lower triangular; attention_pictures draws each."""
+    model = small_model(encoder=encoder, conv_kernel=7 if encoder == "conformer" else 0)
+    config = model.config
+    feats = torch.randn(60, config.n_mels, generator=torch.Generator().manual_seed(0))
+    tokens = [3, 5, 4, 5]
+    weights = attention_weights(model, feats, tokens)
+    memory, memory_lens = model.encoder(feats[None], torch.tensor([60]))
+    frames = int(memory_lens[0])
+    assert list(weights) == list(KINDS)
+    assert weights["cross"].shape == (config.decoder_layers, 5, frames)
+    assert weights["encoder_self"].shape == (config.encoder_layers, frames, frames)
+    assert weights["decoder_self"].shape == (config.decoder_layers, 5, 5)
+    torch.testing.assert_close(weights["cross"], cross_attention(model, memory[0], tokens), atol=1e-5, rtol=0)
+    torch.testing.assert_close(weights["encoder_self"].sum(-1), torch.ones(config.encoder_layers, frames),
+                               atol=1e-5, rtol=0)
+    assert torch.equal(weights["decoder_self"], weights["decoder_self"].tril())
+    torch.testing.assert_close(weights["decoder_self"].sum(-1), torch.ones(config.decoder_layers, 5), atol=1e-5,
+                               rtol=0)
+
+    tokenizer = CharTokenizer(list("ABCDEFGHIJ"))  # V = 13, as SMALL
+    pictures = attention_pictures(model, tokenizer, feats, tokens, title="u0: text")
+    assert list(pictures) == list(KINDS)
+    for kind, image in pictures.items():
+        assert image.dtype == np.uint8 and image.shape[-1] == 4 and image.std() > 10, kind
+    assert len({image.shape for image in pictures.values()}) == 3  # three layouts
+
+
+def test_picture_names():
+    """The cross-attention keeps the name it always had; the others add their kind."""
+    assert picture_name("spk/utt-1") == picture_name("spk/utt-1", "cross") == "spk_utt-1.png"
+    assert picture_name("spk/utt-1", "encoder_self") == "spk_utt-1.encoder_self.png"
+    assert picture_name("u0", "decoder_self") == "u0.decoder_self.png"
+    with pytest.raises(ValueError, match="kind"):
+        picture_name("u0", "self")
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -130,7 +193,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_decode_plot_attention_writes_the_first_utterances(tmp_path, capsys):
+def test_decode_plot_attention_writes_each_kind_of_the_first_utterances(tmp_path, capsys):
     model = write_decode_files(tmp_path)
     write_model_file(model, eos_bias=1.0)  # hypotheses of a few tokens: a fast decode
     out = tmp_path / "out"
@@ -138,7 +201,8 @@ def test_decode_plot_attention_writes_the_first_utterances(tmp_path, capsys):
                      str(out), "--device", "cpu", "--plot-attention", "2", "decoding.num_workers=0"]) == 0
     assert "attention/" in capsys.readouterr().out
     pictures = sorted((out / "attention").iterdir())
-    assert [p.name for p in pictures] == ["utt0.png", "utt1.png"]  # the first two of the manifest
+    names = sorted(picture_name(utt, kind) for utt in ("utt0", "utt1") for kind in KINDS)
+    assert [p.name for p in pictures] == names  # the first two of the manifest: utt0.png, utt0.encoder_self.png ...
     assert len((out / "hyp.txt").read_text().splitlines()) == 4  # the decode itself as without pictures
     for path in pictures:
         width, height = png_size(path)

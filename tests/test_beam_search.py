@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from asr.model import ASRModel, ModelConfig
+from asr.scorer import CountingScorer, Selection
 from asr.search import (
     RATE_SLACK,
     Hypothesis,
+    Scorers,
     SearchOptions,
     _fill_holes,
     _stable_slots,
-    _stay_counts,
     decode_memory,
     search,
     search_nbest,
@@ -223,13 +224,13 @@ def test_fill_holes_moves_only_what_stays_past_the_kept_count():
     g = torch.Generator().manual_seed(1)
     for _ in range(100):
         stay = torch.rand(7, generator=g) < 0.5
-        order, holes = _fill_holes(stay)
-        k, behind = _stay_counts(stay).tolist()
-        assert behind == int(stay[k:].sum()) == int(holes.sum())
-        assert k == int(stay.sum()) and sorted(order[:k].tolist()) == stay.nonzero()[:, 0].tolist()
+        order, kept = _fill_holes(stay)
+        k = int(stay.sum())
+        assert int(kept) == k and sorted(order[:k].tolist()) == stay.nonzero()[:, 0].tolist()
         for i in range(k):
-            assert (order[i] == i) == bool(stay[i]) and bool(holes[i]) == (not stay[i])
-        assert order[:k][holes[:k]].tolist() == sorted(order[:k][holes[:k]].tolist())
+            assert (order[i] == i) == bool(stay[i])
+        filled = [int(order[i]) for i in range(k) if not stay[i]]  # the holes take, in order, those past k
+        assert filled == stay[k:].nonzero()[:, 0].add(k).tolist()
 
 
 @pytest.mark.parametrize("mode", ["attention", "greedy", "ctc_rescore"])
@@ -308,3 +309,47 @@ def test_at_most_one_host_sync_per_step_on_cuda(mode):
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     assert syncs <= max(LENGTHS) + 1 + 8, syncs
+
+
+class _RowSpy:
+    """A FullScorer of 0 for every token whose state is each row's tokens, kept by selecting rows
+    and appending the selected tokens alone: it records every Selection it gets, and checks at
+    every step that the search feeds each row the token its state says it chose."""
+
+    def __init__(self) -> None:
+        self.selections: list[Selection] = []
+
+    def init_state(self, memory: torch.Tensor, memory_lens: torch.Tensor, group: int) -> torch.Tensor:
+        return torch.full((memory.size(0) * group, 1), TINY.vocab_size - 1)  # (R, tokens) sos first
+
+    def score(self, state: torch.Tensor, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert torch.equal(last_tokens, state[:, -1])
+        return torch.zeros(state.size(0), TINY.vocab_size), state
+
+    def select_state(self, state: torch.Tensor, selection: Selection) -> torch.Tensor:
+        self.selections.append(selection)
+        return torch.cat([state[selection.rows], selection.tokens[:, None]], dim=1)
+
+    def final_score(self, state: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(state.size(0))
+
+
+def test_scorers_receive_rows_only():
+    """A scorer's selection is rows, tokens and utterances (and, for a CountingScorer alone, the
+    counts it asked for): nothing of the decoder cache's bookkeeping. Selecting rows alone keeps
+    a scorer's state right (the spy checks the tokens it is fed), and the spy, which scores 0,
+    changes nothing."""
+    assert Selection._fields == ("rows", "tokens", "utterances", "counts")
+    model = tiny_model(3)
+    memory, lens = random_memory(model, LENGTHS, 3)
+    spy = _RowSpy()
+    assert not isinstance(spy, CountingScorer)
+    options = dataclasses.replace(JOINT, length_bonus=0.0)
+    with_spy = decode_memory(model, memory, lens, options, Scorers({"spy": spy}, weights={"spy": 1.0}))
+    assert with_spy == decode_memory(model, memory, lens, options)
+    assert spy.selections and all(s.counts == () for s in spy.selections)
+    dropped = [s for s in spy.selections if s.rows.numel() < spy.selections[0].rows.numel()]
+    assert dropped, "no utterance left the batch early: the test does not cover dropping"
+    for s in spy.selections:  # rows in groups of N per kept utterance, each of its own utterance
+        groups = s.rows.view(-1, options.beam_size) // options.beam_size
+        assert (groups == s.utterances[:, None]).all()

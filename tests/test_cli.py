@@ -45,10 +45,97 @@ def test_the_mode_choices_are_the_searchs():
     assert sorted(MODES) == sorted(SEARCH_MODES)
 
 
-@pytest.mark.parametrize("command", ["decode", "transcribe"])
+def test_the_precision_choices_are_the_decodings():
+    from asr.cli import PRECISIONS
+    from asr.decoding import PRECISIONS as DECODING_PRECISIONS
+
+    assert list(PRECISIONS) == list(DECODING_PRECISIONS)
+
+
+@pytest.mark.parametrize("command", ["decode", "transcribe", "serve"])
 def test_threads_must_be_positive(command):
     out = asr(command, "--threads", "0", "--help")
     assert out.returncode == 2 and "--threads: must be an integer of at least 1" in out.stderr
+
+
+DECODING_COMMANDS = ("decode", "transcribe", "serve")
+
+
+def subparsers() -> dict:
+    from asr.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    return sub.choices
+
+
+def test_decode_transcribe_and_serve_take_the_same_decoding_flags():
+    """One add_decoding_flags for the three decoding commands: the same decoding flags (any flag
+    of one that sets a DecodingConfig field is in all three), each with its help text, and the
+    same command line gives the same DecodingConfig in each."""
+    import argparse
+    import dataclasses
+
+    from asr.cli import DECODING_FIELDS, _decoding_config, add_decoding_flags
+    from asr.decoding import DecodingConfig
+
+    reference = argparse.ArgumentParser()
+    add_decoding_flags(reference)
+    flags = {o for a in reference._actions for o in a.option_strings} - {"-h", "--help"}
+    assert {"--config", "--mode", "--beam-size", "--ctc-weight", "--length-bonus", "--lexicon", "--lm", "--lm-weight",
+            "--lm-fusion", "--lm-word-bonus", "--precision", "--int8", "--device", "--threads"} <= flags
+    fields = {f.name for f in dataclasses.fields(DecodingConfig)}
+    assert set(DECODING_FIELDS) <= fields
+    assert set(DECODING_FIELDS) == {a.dest for a in reference._actions} - {"help", "config", "threads"}
+    parsers = subparsers()
+    line = ["--mode", "attention", "--beam-size", "3", "--ctc-weight", "0.4", "--length-bonus", "0.5", "--lexicon",
+            "w.txt", "--lm", "lm.arpa", "--lm-weight", "0.2", "--lm-fusion", "--lm-word-bonus", "1.5", "--precision",
+            "fp32", "--int8", "--device", "cpu", "--threads", "2"]
+    configs = []
+    for command in DECODING_COMMANDS:
+        actions = parsers[command]._actions
+        options = {o for a in actions for o in a.option_strings}
+        assert flags <= options, (command, flags - options)
+        decoding = {o for a in actions for o in a.option_strings if a.dest in fields}
+        assert decoding - {"--batch-size"} <= flags, (command, decoding - flags)  # batch sizes: each command's own
+        assert all(a.help for a in actions), (command, [a.dest for a in actions if not a.help])
+        args = parsers[command].parse_args(["--model", "m.pt", *line] + {
+            "decode": ["--manifest", "t.jsonl", "--out-dir", "d"], "transcribe": ["a.wav"], "serve": []}[command])
+        configs.append(_decoding_config(args, []))
+    assert configs[0] == configs[1] == configs[2]
+    first = configs[0]
+    assert (first.beam_size, first.lm_fusion, first.int8, first.length_bonus) == (3, True, True, 0.5)
+
+
+@pytest.mark.parametrize("command", DECODING_COMMANDS)
+def test_an_lm_option_without_an_lm_is_one_line_in_every_decoding_command(command, tmp_path):
+    """Checked once, by asr.decoding.load_decoding_config, before any model or manifest is read."""
+    extra = {"decode": ["--manifest", tmp_path / "t.jsonl", "--out-dir", tmp_path / "d"],
+             "transcribe": [tmp_path / "a.wav"], "serve": []}[command]
+    out = asr(command, "--model", tmp_path / "absent.pt", "--lm-weight", "0.5", *extra)
+    assert out.returncode == 1 and out.stderr == f"asr {command}: error: --lm-weight needs --lm LM\n"
+
+
+def test_transcribe_and_serve_do_not_import_the_manifest_decoder():
+    """`asr transcribe` and `asr serve` (and the modules they use) never import asr.decode (its
+    DataLoader and process groups): their handlers import none of it, nor does anything they reach."""
+    import ast
+    from pathlib import Path
+
+    from test_imports import import_graph, imports
+
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "asr" / "cli.py").read_text(encoding="utf-8"))
+    handlers = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    graph = import_graph(root)
+    for name in ("cmd_transcribe", "cmd_serve", "_decoding_config", "_write_outputs"):
+        reached = [m for m, _ in imports(handlers[name], "asr.cli", False) if m.startswith("asr")]
+        seen, todo = set(), list(reached)
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph.get(module, ()))
+        assert reached and "asr.decode" not in seen, name
 
 
 def test_wer_command(tmp_path):

@@ -9,9 +9,11 @@ import soundfile as sf
 import torch
 from test_api import speechlike, write_model_file
 
+import asr.api
 import asr.decode
 from asr.config import ConfigError
-from asr.decode import JOURNAL, DecodingConfig, decode_manifest, format_wer, load_decoding_config
+from asr.decode import JOURNAL, decode_manifest, format_wer
+from asr.decoding import DecodingConfig, DecodingOptions, load_decoding_config
 from asr.manifest import ManifestError
 from asr.sampler import greedy_batches, longest_first
 
@@ -135,6 +137,59 @@ def test_decoding_configs(tmp_path):
         load_decoding_config(str(tmp_path / "bad.yaml"))
 
 
+
+def test_the_decoding_options_live_in_decoding_and_refuse_lm_options_without_an_lm(tmp_path):
+    """DecodingConfig and its loader are asr.decoding's (what transcribe and serve import, without
+    asr.decode); an LM option given on the command line without an LM is refused there, once for
+    every command, while the same field in a preset (conf/decode/synth.yaml's lm_weight) is not."""
+    assert DecodingConfig.__module__ == load_decoding_config.__module__ == "asr.decoding"
+    for name, value in (("lm_weight", 0.5), ("lm_fusion", True), ("lm_word_bonus", 1.0)):
+        with pytest.raises(ConfigError, match=f"^--{name.replace('_', '-')} needs --lm LM$"):
+            load_decoding_config(None, [], **{name: value})
+        assert getattr(load_decoding_config(None, [], lm="x.arpa", **{name: value}), name) == value
+        assert getattr(load_decoding_config(None, ["decoding.lm=x.arpa"], **{name: value}), name) == value
+    assert load_decoding_config(str(CONF / "synth.yaml"), lm_weight=None).lm_weight == 0.35
+    with pytest.raises(ConfigError, match="lm_fusion.*needs decoding.lm"):
+        load_decoding_config(None, ["decoding.lm_fusion=true"])
+
+
+def test_the_thread_policy(monkeypatch):
+    """asr.decoding.thread_policy decides the threads of every decoding run: --threads N sets torch's
+    count for the process (every search on N threads); without it, torch's count is left alone and
+    only a CPU search of at most FEW_ROWS rows runs on one thread (search_threads_for), the count
+    restored after it."""
+    from asr.decoding import FEW_ROWS, search_threads_for, thread_policy
+    from asr.search import SearchOptions
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert thread_policy(None) == 1 and torch.get_num_threads() == 2
+        memory = torch.zeros(2, 5, 4)  # (B, T, d) on the CPU
+        for options, search_threads, inside in ((SearchOptions(beam_size=FEW_ROWS // 2), 1, 1),
+                                                (SearchOptions(beam_size=FEW_ROWS // 2 + 1), 1, 2),
+                                                (SearchOptions(mode="greedy", beam_size=FEW_ROWS), 1, 1),
+                                                (SearchOptions(beam_size=2), None, 2)):
+            with search_threads_for(search_threads, options, memory):
+                assert torch.get_num_threads() == inside, options
+            assert torch.get_num_threads() == 2
+        assert thread_policy(1) is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_commands_and_benchmarks_leave_the_thread_count_to_the_policy():
+    """No decoding entry point sets torch's thread count itself: asr/ sets it in
+    asr.decoding.thread_policy (and intra_op_threads under it) and for training (asr.distributed),
+    and the decoding benchmarks call thread_policy."""
+    root = Path(__file__).resolve().parents[1]
+    setters = {p.relative_to(root).as_posix() for p in (root / "asr").rglob("*.py")
+               if "set_num_threads" in p.read_text(encoding="utf-8")}
+    assert setters == {"asr/decoding.py", "asr/distributed.py"}
+    for tool in ("tools/bench_decode.py", "tools/bench_cpu_paths.py"):
+        assert "thread_policy(" in (root / tool).read_text(encoding="utf-8"), tool
+
+
 def test_decoding_batches_longest_first_with_a_count_cap():
     durations = [3.0, 10.0, 1.0, 2.0, 9.0, 2.5, 30.0]
     batches = greedy_batches(longest_first(durations), durations, 20.0, max_count=3)
@@ -234,9 +289,9 @@ def test_transcribe_reads_the_decoding_config_and_overrides(corpus, tmp_path, ca
     code = cli.main(["transcribe", "--model", str(model), "--config", str(tmp_path / "greedy.yaml"), str(audio),
                      "decoding.max_len_ratio=0.3", "decoding.max_rate_factor=0", "--device", "cpu"])
     assert code == 0 and torch.get_num_threads() == threads
-    want = asr.decode.load_model(model).transcribe(audio, mode="greedy")  # max_len_ratio 1: other lengths
-    short = asr.decode.load_model(model, options=asr.decode.DecodingOptions(mode="greedy", max_len_ratio=0.3,
-                                                                             max_rate_factor=0)).transcribe(audio)
+    want = asr.api.load_model(model).transcribe(audio, mode="greedy")  # max_len_ratio 1: other lengths
+    short = asr.api.load_model(model, options=DecodingOptions(mode="greedy", max_len_ratio=0.3,
+                                                              max_rate_factor=0)).transcribe(audio)
     assert capsys.readouterr().out == f"{short[0].text}\n" and want[0].text != short[0].text
     assert cli.main(["transcribe", "--model", str(model), "decoding.beams=3", str(audio)]) == 1
     assert "unknown key 'beams'" in capsys.readouterr().err

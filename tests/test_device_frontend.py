@@ -11,6 +11,7 @@ import torch
 from data_helpers import FEATURES, loader_config
 from small_models import small_model
 
+from asr.asr_task import ASRTask
 from asr.dataset import ASRDataset, Batch, Skipped, WaveBatch, WaveExample, collate_waves, derive_seed
 from asr.device_frontend import DeviceFrontend
 from asr.feature_archive import FeatureArchive
@@ -25,7 +26,6 @@ from asr.features import (
     num_frames,
 )
 from asr.loader import compute_cmvn, make_loader
-from asr.train_task import ASRTask
 
 # Batched features equal per-utterance ones to a relative 1e-4 in each filterbank energy, i.e. 1e-4
 # in its log, i.e. 1e-4 * inv_std after CMVN. Each frame is computed alone in both paths; only the

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -64,22 +66,22 @@ def test_export_matches_pytorch(spoken_model, exported):
     x = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
     x_lens = torch.tensor([f.size(0) for f in feats])
     with torch.no_grad():
-        memory, memory_lens = model.encoder(x, x_lens)
-        got, got_lens = graphs.encoder(x, x_lens)
+        memory, memory_lens = model.encode(x, x_lens)
+        got, got_lens = graphs.encode(x, x_lens)
         assert torch.equal(got_lens, memory_lens)
         valid = torch.arange(memory.size(1)) < memory_lens[:, None]
         assert (got - memory)[valid].abs().max() < 1e-4
         assert (graphs.ctc_log_probs(memory) - model.ctc_log_probs(memory))[valid].abs().max() < 1e-4
 
         rows = 3 * 4  # 3 utterances x 4 hypotheses
-        cache = model.decoder.init_cache(memory, memory_lens, rows=rows, capacity=2)
-        state = graphs.decoder.init_cache(memory, memory_lens, rows=rows, capacity=3)  # grown once, at step 3
+        cache = model.init_cache(memory, memory_lens, rows=rows, capacity=2)
+        state = graphs.init_cache(memory, memory_lens, rows=rows, capacity=3)  # grown once, at step 3
         tokens = torch.full((rows,), model.config.sos)
         generator = torch.Generator().manual_seed(0)
         for step in range(5):
             buffer = state.self_kv.data_ptr()
-            expected, cache = model.decoder.step(tokens, None, None, cache)
-            log_probs, state = graphs.decoder.step(tokens, None, None, state)
+            expected, cache = model.step(tokens, cache)
+            log_probs, state = graphs.step(tokens, state)
             assert (log_probs - expected).abs().max() < 1e-4
             assert (state.self_kv.data_ptr() == buffer) == (step != 3)  # written in place unless full
             tokens = torch.randint(2, model.config.vocab_size - 1, (rows,), generator=generator)
@@ -91,6 +93,40 @@ def test_export_matches_pytorch(spoken_model, exported):
     assert texts == [r.text for r in torch_model.transcribe(spoken_model.audio)] == spoken_model.texts
     onnx_model.options = DecodingOptions(int8=True)
     assert [r.text for r in onnx_model.transcribe(spoken_model.audio)] == spoken_model.texts
+
+
+def _called(run: Callable[[], object], files: tuple[str, ...]) -> tuple[object, set[str]]:
+    """run()'s result and the functions of `files` (asr/ paths) it called."""
+    called: set[str] = set()
+
+    def profile(frame, event, arg):  # sys.setprofile's signature
+        path = frame.f_code.co_filename
+        if event == "call" and path.endswith(files):
+            called.add(f"{path.rsplit('/', 1)[1]}:{frame.f_code.co_qualname}")
+
+    sys.setprofile(profile)
+    try:
+        result = run()
+    finally:
+        sys.setprofile(None)
+    return result, called
+
+
+@pytest.mark.parametrize("options", [DecodingOptions(), DecodingOptions(mode="greedy"),
+                                     DecodingOptions(mode="ctc_rescore", beam_size=4)], ids=lambda o: o.mode)
+def test_one_search_drives_pytorch_and_the_export(spoken_model, exported, options):
+    """The same decoding task runs the same code over the PyTorch model and its export: the same
+    functions of decoding.py, search.py, ctc_prefix.py and scorer.py are called (only the model's
+    own methods differ, behind asr.inference), and the same hypotheses come out."""
+    torch_model, onnx_model = load_model(spoken_model.model), load_model(exported)
+    feats = [torch_model.feats(torch.from_numpy(_read(p))) for p in spoken_model.audio[:4]]
+    files = ("asr/decoding.py", "asr/search.py", "asr/ctc_prefix.py", "asr/scorer.py")
+    with torch.no_grad():
+        want, torch_calls = _called(lambda: torch_model.task(options).run(feats), files)
+        got, onnx_calls = _called(lambda: onnx_model.task(options).run(feats), files)
+    assert torch_calls == onnx_calls and any("search.py" in c for c in torch_calls)
+    assert [[h.tokens for h in nbest] for nbest in got] == [[h.tokens for h in nbest] for nbest in want]
+    assert all(nbest[0].tokens for nbest in want)
 
 
 def test_exported_step_reads_the_cache_and_returns_one_position(exported, tmp_path):

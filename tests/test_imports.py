@@ -228,3 +228,33 @@ def test_nothing_in_asr_imports_recipes_or_tools():
         name = module_name(path, ROOT)
         for module, _ in imports(ast.parse(path.read_text(encoding="utf-8")), name, path.name == "__init__.py"):
             assert module.split(".")[0] not in foreign, f"{name} imports {module} (recipes/ or tools/)"
+
+
+def test_the_inference_contract_is_a_leaf():
+    """asr.inference (the contract ASRModel and the exported model implement) imports torch, the
+    standard library's typing helpers and at most the constants leaf: every import counts, those
+    under TYPE_CHECKING too (it names other types by its own Protocols)."""
+    path = ROOT / "asr" / "inference.py"
+    found = {module for module, _ in imports(ast.parse(path.read_text(encoding="utf-8")), "asr.inference", False)}
+    allowed = {"__future__", "collections.abc", "typing", "torch", "asr.tokens"}
+    assert not found - allowed, f"asr.inference imports {sorted(found - allowed)}"
+
+
+@pytest.mark.parametrize("module", ["decoding", "search"])
+def test_decoding_holds_no_branch_on_the_model_kind(module):
+    """decoding.py and search.py drive any asr.inference.InferenceModel: they name neither model
+    class, import neither model module, and never ask a model what it is (isinstance, getattr or
+    hasattr on anything called model)."""
+    path = ROOT / "asr" / f"{module}.py"
+    source = path.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    assert not {"ASRModel", "OnnxModel", "onnx_model"} & {
+        node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        for node in ast.walk(tree)}, f"asr/{module}.py names a model class"
+    found = imports(tree, f"asr.{module}", False)
+    assert not [m for m, name in found if "onnx" in m or name in ("ASRModel", "OnnxModel")]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "isinstance", "getattr", "hasattr"):
+            subject = ast.unparse(node.args[0])
+            assert "model" not in subject.lower(), f"asr/{module}.py:{node.lineno}: {ast.unparse(node)}"

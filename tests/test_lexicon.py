@@ -15,8 +15,8 @@ from test_beam_search import JOINT, LENGTHS, attention_log_prob, ctc_log_prob, r
 
 import asr.lexicon as lexicon_module
 from asr.api import load_model
-from asr.decode import DecodingConfig, decode_manifest
-from asr.decoding import DecodingOptions, DecodingTask
+from asr.decode import decode_manifest
+from asr.decoding import DecodingConfig, DecodingOptions, DecodingTask
 from asr.lexicon import Lexicon, LexiconError, LexiconScorer, read_words
 from asr.metrics import normalize_text
 from asr.search import Scorers, SearchOptions, decode_memory

@@ -18,8 +18,8 @@ from test_api import write_decode_files
 
 from asr.api import load_model
 from asr.audio import load_audio
-from asr.decode import DecodingConfig, decode_manifest
-from asr.decoding import DecodingOptions, DecodingTask
+from asr.decode import decode_manifest
+from asr.decoding import DecodingConfig, DecodingOptions, DecodingTask
 from asr.lm import BOS, EOS, UNK, LMError, NgramLM, WordLMScorer, rescore, train_ngram
 from asr.metrics import normalize_text
 from asr.scorer import Selection

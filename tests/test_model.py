@@ -18,7 +18,6 @@ from asr.model import (
     Conv2dSubsampling,
     ModelConfig,
     MultiHeadAttention,
-    ReorderPlan,
     build_model,
     check_ctc_feasible,
     conv_output_length,
@@ -170,7 +169,7 @@ def test_cached_decoding_matches_forward():
     want = model.decoder(tokens, torch.full((6,), steps), memory[rows], memory_lens[rows])  # (6, steps, V)
     cache = model.decoder.init_cache(memory, memory_lens, rows=6, capacity=4)
     for t in range(steps):
-        log_probs, cache = model.decoder.step(tokens[:, t], memory, memory_lens, cache)
+        log_probs, cache = model.decoder.step(tokens[:, t], cache)
         torch.testing.assert_close(log_probs, want[:, t], atol=1e-5, rtol=1e-5)
     assert cache.length == steps and cache.capacity >= steps and cache.memory_kv.size(2) == 2
 
@@ -183,43 +182,47 @@ def test_cache_reorder_and_drop():
     g = torch.Generator().manual_seed(4)
     memory, memory_lens = torch.randn(3, 12, 32, generator=g), torch.tensor([12, 7, 10])
     history = torch.cat([torch.full((6, 1), model.config.sos), torch.randint(2, 12, (6, 5), generator=g)], 1)
-    cache = None
+    cache = model.decoder.init_cache(memory, memory_lens, rows=6)
     for t in range(3):
-        _, cache = model.decoder.step(history[:, t], memory, memory_lens, cache)
+        _, cache = model.decoder.step(history[:, t], cache)
     index = torch.tensor([1, 1, 3, 2, 5, 5])  # within utterances (rows 2u, 2u + 1 are utterance u)
     cache, history = cache.reorder(index), history[index]
-    _, cache = model.decoder.step(history[:, 3], memory, memory_lens, cache)
+    _, cache = model.decoder.step(history[:, 3], cache)
     keep = torch.tensor([4, 5, 0, 1])  # drop utterance 1, swap the order of utterances 0 and 2
     cache, history = cache.reorder(keep), history[keep]
-    log_probs, cache = model.decoder.step(history[:, 4], memory, memory_lens, cache)
+    log_probs, cache = model.decoder.step(history[:, 4], cache)
     utts = torch.tensor([2, 2, 0, 0])
     want = model.decoder(history[:, :5], torch.full((4,), 5), memory[utts], memory_lens[utts])[:, 4]
     torch.testing.assert_close(log_probs, want, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()
-def test_cache_reorder_with_hints_copies_only_what_differs():
-    """Beam search's hints (the moved rows, the inputs each shares with the row it replaces, the
-    utterances that moved) give the cache of the reordered histories, as the teacher-forced
-    forward computes it, and the positions the hints call shared are left alone."""
+def test_cache_selection_copies_only_what_differs():
+    """The cache keeps the inputs it has read, so selecting rows copies, of a row that takes another
+    hypothesis of its utterance, only the positions from the first input they differ in, and of a
+    row that takes another utterance's hypothesis, all of them; the counts (found on the device)
+    say how many; the result is the cache of the selected histories, as the teacher-forced forward
+    computes it."""
     model = small_model()
     g = torch.Generator().manual_seed(8)
     memory, memory_lens = torch.randn(3, 12, 32, generator=g), torch.tensor([12, 7, 10])
     history = torch.cat([torch.full((9, 1), model.config.sos), torch.randint(2, 12, (9, 6), generator=g)], 1)
     history[5, :4] = history[3, :4]  # rows 3 and 5 (utterance 1) share their first 4 inputs
-    cache = None
+    history[5, 4] = history[3, 4] + 1
+    cache = model.decoder.init_cache(memory, memory_lens, rows=9, capacity=2)
     for t in range(5):
-        _, cache = model.decoder.step(history[:, t], memory, memory_lens, cache)
+        _, cache = model.decoder.step(history[:, t], cache)
     # utterance 0 ends and utterance 2 (rows 6..8) fills its rows; row 5 takes row 3's hypothesis
-    index = torch.tensor([6, 7, 8, 3, 4, 3])
+    proposal = torch.tensor([6, 7, 8, 3, 4, 3, 0, 1, 2])  # the kept utterances first (2 of 3)
+    counts = cache.selection_counts(proposal, torch.tensor(2))
+    assert counts.tolist() == [4, 3 * 5 + 1, 1]  # rows moved, (row, position) pairs, utterances moved
     shared_part = cache.self_kv[:, :, 5, :4].mul_(1 + 1e-7).clone()  # marked: a copy would undo it
     cache.self_kv[:, :, 5, 4] = 1e6  # differs: must be overwritten
-    plan = ReorderPlan(rows=torch.tensor([0, 1, 2, 5]), start=torch.tensor([0, 0, 0, 4]), copies=3 * 5 + 1,
-                       groups=torch.tensor([0]))
-    cache = cache.reorder(index, plan)
+    index = proposal[:6]
+    cache = cache.select(index, counts.tolist())
     assert torch.equal(cache.self_kv[:, :, 5, :4], shared_part)
     history = history[index]
-    log_probs, cache = model.decoder.step(history[:, 5], memory, memory_lens, cache)
+    log_probs, cache = model.decoder.step(history[:, 5], cache)
     utts = torch.tensor([2, 2, 2, 1, 1, 1])
     want = model.decoder(history[:, :6], torch.full((6,), 6), memory[utts], memory_lens[utts])[:, 5]
     torch.testing.assert_close(log_probs, want, atol=1e-5, rtol=1e-5)

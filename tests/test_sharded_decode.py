@@ -22,8 +22,8 @@ import asr.decode
 from asr import cli
 from asr.checkpoint import model_file, save_atomic
 from asr.config import ConfigError, to_dict
-from asr.decode import JOURNAL, DecodingConfig, decode_manifest, load_decoding_config
-from asr.decoding import DecodingOptions, resolve_precision
+from asr.decode import JOURNAL, decode_manifest
+from asr.decoding import DecodingConfig, DecodingOptions, load_decoding_config, resolve_precision
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
 from asr.model import ASRModel
 from asr.search import DecoderScorer

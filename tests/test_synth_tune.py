@@ -10,7 +10,8 @@ import pytest
 import yaml
 from test_api import write_decode_files
 
-from asr.decode import DecodingConfig, decode_manifest
+from asr.decode import decode_manifest
+from asr.decoding import DecodingConfig
 from asr.lm import train_ngram
 
 LOCAL = Path(__file__).resolve().parents[1] / "recipes" / "synth" / "local"

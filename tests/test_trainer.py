@@ -69,10 +69,10 @@ def plan_steps(config, world: int, epoch: int) -> list[list[tuple[int, ...]]]:
     """The micro-batches of each optimizer step of `epoch`, as the ranks of a `world`-process run
     take them (rank r: its micro-batches k*accum .. (k+1)*accum - 1 of step k), sorted."""
     from asr.sampler import DurationBucketSampler
-    from asr.train_config import batch_plan
+    from asr.train_setup import batch_plan
 
     plan = batch_plan(config, world)
-    ranks = [DurationBucketSampler(DURATIONS, max_batch_seconds=plan.micro_batch_seconds, seed=3, epoch=epoch,
+    ranks = [DurationBucketSampler(DURATIONS, max_batch_seconds=plan.micro_batch, seed=3, epoch=epoch,
                                    num_replicas=world, rank=r, group=plan.group).rank_batches() for r in range(world)]
     steps = len(ranks[0]) // plan.accum
     assert all(len(r) == steps * plan.accum for r in ranks)
@@ -86,12 +86,13 @@ def test_schedule_is_world_size_invariant():
     """With a global batch of 8 micro-batches, (1 process, accum 8), (2, 4) and (8, 1) make the same
     optimizer steps over the same data, with the same learning rates; the schedule's length is fixed
     from the first epoch; 64 processes keep the step's size under a lower micro-batch cap."""
-    from asr.train_config import batch_plan, load_experiment_config, total_steps
+    from asr.train_config import total_steps
+    from asr.train_setup import batch_plan, load_experiment_config
 
     config = load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.global_batch_seconds=480",
                                                 "training.scheduler=cosine", "training.warmup_steps=20",
                                                 "training.epochs=3"])
-    assert [(batch_plan(config, w).accum, batch_plan(config, w).micro_batch_seconds) for w in (1, 2, 8)] == [
+    assert [(batch_plan(config, w).accum, batch_plan(config, w).micro_batch) for w in (1, 2, 8)] == [
         (8, 60.0), (4, 60.0), (1, 60.0)]
     for epoch in (0, 1):
         runs = {w: plan_steps(config, w, epoch) for w in (1, 2, 8)}
@@ -105,15 +106,15 @@ def test_schedule_is_world_size_invariant():
     assert rates[1] == rates[2] == rates[8]
     assert rates[1][19] == tc.lr and rates[1][-1] == pytest.approx(tc.min_lr)
     wide = batch_plan(config, 64)  # more processes than micro-batches: each one, at 480 / 64 s
-    assert (wide.accum, wide.micro_batch_seconds, wide.step_seconds) == (1, 7.5, 480.0)
+    assert (wide.accum, wide.micro_batch, wide.step_size, wide.cap) == (1, 7.5, 480.0, 60.0)
     # without a global batch each process accumulates accum_grad: the step grows with the processes
     legacy = load_experiment_config(str(TINY), ["data.max_batch_seconds=60", "training.accum_grad=2"])
-    assert [batch_plan(legacy, w).step_seconds for w in (1, 8)] == [120.0, 960.0]
+    assert [batch_plan(legacy, w).step_size for w in (1, 8)] == [120.0, 960.0]
 
 
 def test_a_global_batch_that_is_no_multiple_of_the_micro_batch_is_a_config_error():
     from asr.config import ConfigError
-    from asr.train_config import load_experiment_config
+    from asr.train_setup import load_experiment_config
 
     with pytest.raises(ConfigError, match=r"global_batch_seconds \(100\) must be a whole multiple of "
                                           r"data.max_batch_seconds \(60\)"):
@@ -205,7 +206,7 @@ def test_an_exp_saved_before_frame_shift_ms_existed_resumes(tmp_path):
 
 
 def test_the_model_frame_shift_is_the_frontends():
-    from asr.train_config import ExperimentConfig, load_experiment_config
+    from asr.train_setup import ExperimentConfig, load_experiment_config
 
     config = load_experiment_config(str(ROOT / "conf" / "tiny.yaml"), ["data.features.frame_shift_ms=20"])
     assert config.model.frame_shift_ms == 20.0
@@ -418,23 +419,25 @@ def test_a_mid_epoch_resume_cut_otherwise_is_refused_in_one_line(tmp_path):
     the epoch's list into other steps: mid-epoch it refuses, at an epoch's end it continues."""
     from types import SimpleNamespace
 
+    from asr.asr_task import AUDIO
+    from asr.checkpoint import TrainingError
     from asr.train_config import BatchPlan
-    from asr.trainer import TrainingError, _check_position, _State
+    from asr.trainer import State, _check_position
 
-    saved = _State(epoch=0, batch=6, step=3, step_group=2, micro_batch_seconds=1.5, processes=2)
-    run = SimpleNamespace(plan=BatchPlan(world_size=1, accum=1, micro_batch_seconds=1.5), exp=tmp_path)
+    saved = State(epoch=0, batch=6, step=3, step_group=2, micro_batch=1.5, processes=2)
+    run = SimpleNamespace(plan=BatchPlan(world_size=1, accum=1, micro_batch=1.5, cap=1.5), exp=tmp_path, unit=AUDIO)
     with pytest.raises(TrainingError, match=r"stopped mid-epoch, its steps 2 micro-batches of at most 1.5 s written "
                                             r"by 2 process\(es\); with 1 this run cuts them as 1 of 1.5 s .*resume "
                                             r"with 2 process\(es\)"):
         _check_position(run, saved)
-    _check_position(run, _State(epoch=1, batch=0, step_group=2, micro_batch_seconds=1.5, processes=2))
-    same = SimpleNamespace(plan=BatchPlan(world_size=1, accum=2, micro_batch_seconds=1.5), exp=tmp_path)
+    _check_position(run, State(epoch=1, batch=0, step_group=2, micro_batch=1.5, processes=2))
+    same = SimpleNamespace(plan=BatchPlan(world_size=1, accum=2, micro_batch=1.5, cap=1.5), exp=tmp_path, unit=AUDIO)
     _check_position(same, saved)  # a global batch of 2 micro-batches: 1 process accumulating 2 continues
 
 
 def weights_at_init(tmp_path: Path, exp: str = "one") -> dict[str, torch.Tensor]:
     from asr.model import ModelConfig, build_model
-    from asr.train_config import load_experiment_config
+    from asr.train_setup import load_experiment_config
 
     config = load_experiment_config(str(TINY), QUIET)
     vocab = load_file(tmp_path / exp / "model_last.pt")["model"]["vocab_size"]
@@ -460,7 +463,7 @@ def test_nonfinite_on_one_rank_of_two_is_skipped_without_a_hang(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_loads_whole(path):
     """Every section of every training config is known and typed (the model test builds them)."""
-    from asr.train_config import load_experiment_config
+    from asr.train_setup import load_experiment_config
 
     config = load_experiment_config(str(path), [])
     assert config.training.epochs > 0 and config.data.max_batch_seconds > 0
@@ -484,13 +487,14 @@ def test_early_stopping_and_checkpoint_retention(tmp_path):
 def test_metrics_of_a_resumed_run_read_as_one_run(tmp_path):
     """A run resumed from step 2 drops what the interrupted run logged after it (and a line a
     kill cut short); read_records skips such a line."""
+    from asr.lm_train import TOKENS
     from asr.train_log import TrainLog, read_records
 
     metrics = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in (1, 2, 3)]
     metrics.write_text("\n".join(lines) + '\n{"kind": "tra')
     assert [r["step"] for r in read_records(metrics)] == [1, 2, 3]
-    logger = TrainLog(tmp_path, True, summarize=lambda sums, counts, n: {"loss": sums[0] / n}, speed_key="x_per_s",
+    logger = TrainLog(tmp_path, True, summarize=lambda sums, counts, n: {"loss": sums[0] / n}, unit=TOKENS,
                       resumed_at=2)
     logger.valid({"loss": 0.5, "epoch": 1, "step": 2})
     logger.close()
@@ -565,10 +569,50 @@ def test_plateau_warning_is_logged(tmp_path):
 
 
 def test_a_learning_run_gives_no_plateau_warning(tmp_path):
+    """... and speaks of audio: its train records give the throughput and the hours trained on,
+    its last line the steps and the hours."""
     out, records = train_two_utterances(tmp_path, "training.epochs=60", "training.lr=3e-3",
                                         "training.warmup_steps=20")
     assert not [r for r in records if r["kind"] == "warning"]
     assert "near chance" not in out.stderr
+    import re
+
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(r["audio_s_per_s"] > 0 for r in train)
+    hours = [r["audio_hours"] for r in train]
+    assert hours == sorted(hours) and hours[0] > 0
+    steps, said = re.search(r"training stopped: 60 epochs done \((\d+) steps, ([\d.]+) hours of audio\)",
+                            out.stderr).groups()
+    assert float(said) == pytest.approx(60 * (1.0 + 1.1) / 3600, rel=0.05)  # make_corpus's 2 utterances (frames)
+    assert float(said) == pytest.approx(hours[-1] * int(steps) / train[-1]["step"], rel=0.01)
+
+
+def test_the_loop_imports_nothing_of_a_task():
+    """asr.trainer, and all it imports (inside functions too), knows no task: no audio, features,
+    tokenizer, corpora, curriculum or model; the tasks' drivers import it, never the reverse."""
+    from test_imports import import_graph
+
+    graph = import_graph(ROOT)
+    reached, todo = set(), ["asr.trainer"]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += graph[name]
+    assert reached == {"asr.trainer", "asr.train_task", "asr.train_config", "asr.train_log", "asr.checkpoint",
+                       "asr.distributed", "asr.config", "asr.fileio"}
+
+
+def test_a_checkpoint_that_counted_in_audio_hours_resumes():
+    """The state of a checkpoint written before the loop counted in the task's unit reads as its
+    successor's: audio_hours (the amount / 3600) as the amount, micro_batch_seconds as the cap."""
+    from asr.trainer import State
+
+    state = State.saved({"epoch": 2, "step": 40, "micro_batch_seconds": 60.0, "audio_hours": 1.5,
+                         "plateau_reported": True})
+    assert (state.epoch, state.step, state.micro_batch, state.trained, state.plateau_reported) == (
+        2, 40, 60.0, 5400.0, True)
+    assert State.saved(vars(state)) == state
 
 
 def test_the_length_curriculum_trains_on_pieces_first(tmp_path):
@@ -600,9 +644,9 @@ def test_the_curriculum_counts_the_speed_perturbed_copies(tmp_path):
 def test_records_give_both_losses_per_target_token():
     """Training and validation records normalize CTC as attention: per target token (eos included),
     whatever the utterances' length; "loss" is their weighted sum in both."""
+    from asr.asr_task import ASRTask
     from asr.features import FeatureConfig
     from asr.model import ModelConfig, build_model
-    from asr.train_task import ASRTask
 
     model = build_model(ModelConfig(n_mels=8, d_model=16, ffn_dim=32, encoder_layers=1, decoder_layers=1,
                                     conv_channels=4, ctc_weight=0.3), vocab_size=10)

@@ -14,8 +14,9 @@ hypothesis (eos suppressed), so each runs to the output length of 7.5 pieces per
 path decodes the same features with the default search (beam 10, CTC weight 0.3) through
 asr.decoding.DecodingTask: batch 32 is one call on `--utts` utterances, batch 1 `--alone` calls of
 one utterance (encoder and search each time). Each time is the best of `--repeat` runs after a
-warm-up. torch and each onnxruntime session use `--threads` intra-op threads (no one-thread
-policy for small searches: the same threads for every path). Export time is not counted.
+warm-up. torch and each onnxruntime session use `--threads` intra-op threads (asr.decoding.
+thread_policy, as `asr decode --threads N` sets them: the same threads for every path and every
+search). Export time is not counted.
 
 `--dev` decodes all of recipes/synth/data/dev.jsonl (never the test set) with each path at batch
 32 and scores it (asr.metrics.score): the WER change of int8 and of the export.
@@ -37,7 +38,7 @@ from asr.api import Recognizer, load_model
 from asr.audio import load_audio
 from asr.checkpoint import model_file, save_atomic
 from asr.config import read_yaml, to_dict
-from asr.decoding import DecodingOptions
+from asr.decoding import DecodingOptions, thread_policy
 from asr.export import export_model
 from asr.features import CMVNStats, FeatureConfig
 from asr.manifest import read_manifest
@@ -77,12 +78,14 @@ def random_model_file(folder: Path, name: str, vocab_size: int = 5000) -> Path:
     return path
 
 
-def recognizers(model_path: Path, folder: Path, threads: int) -> dict[str, tuple[Recognizer, DecodingOptions]]:
+def recognizers(model_path: Path, folder: Path, threads: int,
+                search_threads: int | None) -> dict[str, tuple[Recognizer, DecodingOptions]]:
     """Each path's recognizer and options (the export written into `folder` first)."""
     export_model(model_path, folder, int8=True)
-    torch_model = load_model(model_path)
+    torch_model = load_model(model_path, search_threads=search_threads)
     exported = load_exported(folder, threads=threads)
-    onnx_model = Recognizer(exported.model, exported.tokenizer, exported.features, exported.cmvn)
+    onnx_model = Recognizer(exported.model, exported.tokenizer, exported.features, exported.cmvn,
+                            search_threads=search_threads)
     return {"fp32": (torch_model, DecodingOptions()), "int8": (torch_model, DecodingOptions(int8=True)),
             "onnx": (onnx_model, DecodingOptions()), "onnx_int8": (onnx_model, DecodingOptions(int8=True))}
 
@@ -168,18 +171,18 @@ def main() -> None:
     parser.add_argument("--synth-model", type=Path, default=SYNTH_MODEL)
     parser.add_argument("--out", type=Path, default=ROOT / "exp/bench_cpu_paths.json", help="JSON results")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    search_threads = thread_policy(args.threads)
     speed, dev = [], []
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         for name in args.models.split(","):
             folder = Path(tmp) / name
             folder.mkdir()
             if name == "synth":
-                paths = recognizers(args.synth_model, folder / "onnx", args.threads)
+                paths = recognizers(args.synth_model, folder / "onnx", args.threads, search_threads)
                 _, feats, seconds, _ = synth_inputs(paths["fp32"][0], args.utts)
                 options = {}
             elif name in RANDOM:
-                paths = recognizers(random_model_file(folder, name), folder / "onnx", args.threads)
+                paths = recognizers(random_model_file(folder, name), folder / "onnx", args.threads, search_threads)
                 config = paths["fp32"][0].model.config
                 feats, seconds = random_inputs(config, args.utts)
                 options = {"max_len_ratio": 7.5 / config.frames_per_second}

@@ -50,22 +50,21 @@ from asr.model import ASRModel, ModelConfig
 from asr.search import SearchOptions
 from asr.search import decode_memory as _decode_memory
 
-try:  # the thread policy of `asr decode` (a baseline tree from before asr.decoding applies it inside
-    # decode_memory)
-    from asr.decoding import FEW_ROWS, intra_op_threads
-except ImportError:
-    FEW_ROWS, intra_op_threads = 0, None
+try:  # the decoding commands' thread policy (asr.decoding.thread_policy)
+    from asr.decoding import search_threads_for, thread_policy
+except ImportError:  # a baseline tree from before it: torch's threads (--threads) for every search
+    search_threads_for = thread_policy = None
+
+SEARCH_THREADS = None  # what thread_policy decided (main): the search_threads of the commands' DecodingTask
 
 
 def decode_memory(model: ASRModel, memory: torch.Tensor, memory_lens: torch.Tensor, options: SearchOptions,
                   scorers=None):
-    """asr.search.decode_memory under the commands' thread policy: a CPU search of at most FEW_ROWS
-    rows (utterances x beam) on one thread."""
-    rows = memory.size(0) * (options.beam_size if options.mode in ("attention", "ctc_rescore") else 1)
+    """asr.search.decode_memory under the commands' thread policy (asr.decoding.search_threads_for)."""
     extra = (scorers,) if scorers is not None else ()
-    if intra_op_threads is None or rows > FEW_ROWS or memory.device.type != "cpu":
+    if search_threads_for is None:
         return _decode_memory(model, memory, memory_lens, options, *extra)
-    with intra_op_threads(1):
+    with search_threads_for(SEARCH_THREADS, options, memory):
         return _decode_memory(model, memory, memory_lens, options, *extra)
 
 
@@ -143,8 +142,12 @@ class Workload:
         """(SearchOptions, scorers or None) of `mode` (MODES or LM_MODES)."""
         if mode not in LM_MODES:
             return dataclasses.replace(MODES[mode], max_len_ratio=self.ratio), None
+        try:
+            from asr.lm_train import load_lm_config
+        except ImportError:  # a baseline tree from before the LM's training had a module of its own
+            from asr.neural_lm import load_lm_config
         from asr.model import TransformerLM
-        from asr.neural_lm import NeuralLM, TransformerLMScorer, load_lm_config
+        from asr.neural_lm import NeuralLM, TransformerLMScorer
         from asr.search import Scorers
 
         base, weight = LM_MODES[mode]
@@ -328,7 +331,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--alone", type=int, default=8, help="of them decoded one at a time (default 8)")
     parser.add_argument("--seconds", type=float, nargs=2, default=(5.0, 8.0), metavar=("MIN", "MAX"))
     parser.add_argument("--repeat", type=int, default=2, help="runs per measurement, the best kept (default 2)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads, as `asr decode --threads` sets "
+                        "them (default 0: torch's choice, and one thread for a search of at most 16 rows)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline", metavar="GIT_REF", help="also time this revision's asr, side by side")
     parser.add_argument("--no-steps", action="store_true", help="skip the step-time table")
@@ -342,9 +346,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    global SEARCH_THREADS
     args = parse_args()
     device = torch.device(args.device)
-    if args.threads:
+    if thread_policy is not None:  # as `asr decode --threads N` (0: without --threads)
+        SEARCH_THREADS = thread_policy(args.threads or None)
+    elif args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:
         serve(args, device)

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from asr.config import from_dict
-from asr.model import ASRModel, ModelConfig, build_model
+from asr.model import ASRModel, ModelConfig, MultiHeadAttention, build_model
 from asr.model.decoder import DecoderCache
 from asr.model.subsampling import LAYERS, conv_output_length
 from asr.tokens import FIRST_TOKEN, sos_id
@@ -94,18 +94,24 @@ def bench_training(model: ASRModel, rate: float, *, batch: int, seconds: float, 
 class AppendedCache(DecoderCache):
     """The alternative measured against: keys and values appended with torch.cat at every step."""
 
-    def reorder(self, index: torch.Tensor, plan=None) -> DecoderCache:
-        self.self_kv = self.self_kv.index_select(2, index)
+    def reorder(self, rows: torch.Tensor) -> DecoderCache:
+        self.self_kv = self.self_kv.index_select(2, rows)
         return self
 
-    def append(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_encoding(self) -> torch.Tensor:
+        return self.positions[self.length:self.length + 1]  # (the table is made for every step)
+
+    def attend_self(self, layer: int, attention: MultiHeadAttention, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if layer == 0:
             self.grown = []
         grown = torch.cat([self.self_kv[layer], kv.permute(2, 0, 1, 3, 4)], dim=2)  # (2, R, t + 1, H, dh)
         self.grown.append(grown)
         if layer == self.self_kv.size(0) - 1:
             self.self_kv = torch.stack(self.grown)
-        return grown[0].transpose(1, 2), grown[1].transpose(1, 2)
+        return attention.attend(q, grown[0].transpose(1, 2), grown[1].transpose(1, 2))
+
+    def advance(self, last_tokens: torch.Tensor) -> None:
+        self.length += 1
 
 
 @torch.inference_mode()
@@ -127,7 +133,8 @@ def _decode_once(model: ASRModel, *, utterances: int, beam: int, frames: int, st
     memory_lens = torch.full((utterances,), frames, device=device)
     cache = model.decoder.init_cache(memory, memory_lens, rows=rows, capacity=steps)
     if appended:
-        cache = AppendedCache(cache.self_kv[:, :, :, :0], cache.memory_kv, cache.memory_mask, cache.positions)
+        cache = AppendedCache(cache.self_kv[:, :, :, :0], cache.memory_kv, cache.memory_mask, cache.positions,
+                              cache.inputs)
     last = torch.full((rows,), model.config.sos, device=device)
     base = torch.arange(rows, device=device) // beam * beam  # first row of each row's utterance
     times = []
@@ -135,7 +142,7 @@ def _decode_once(model: ASRModel, *, utterances: int, beam: int, frames: int, st
         _sync(device)
         start = time.perf_counter()
         cache = cache.reorder(base + torch.randint(0, beam, (rows,), device=device))
-        log_probs, cache = model.decoder.step(last, memory, memory_lens, cache)
+        log_probs, cache = model.decoder.step(last, cache)
         last = log_probs.argmax(dim=-1)
         _sync(device)
         times.append(time.perf_counter() - start)

@@ -4,7 +4,7 @@ Prints a table, writes JSON.
     python tools/bench_train.py                       # synth + librispeech_100h: about 2 minutes on 2 idle cores
     python tools/bench_train.py --configs conf/synth.yaml --steps 20 --workdir /tmp/bt --out exp/bench_synth.json
 
-For each config the real trainer (`asr.trainer.train`) runs in a fresh process (so that its peak
+For each config the real trainer (`asr.train_asr.train`) runs in a fresh process (so that its peak
 memory is its own) on a synthetic corpus, with these overrides: training.max_steps = warmup +
 steps, no global batch and accum_grad 1 (one batch per optimizer step), no greedy decoding, no mid-epoch checkpoint,
 a metrics.jsonl record every step, and data.max_batch_seconds = --batch-seconds (default 100: the
@@ -64,8 +64,8 @@ from asr.features import FeatureConfig
 from asr.loader import compute_cmvn, make_loader
 from asr.manifest import Utterance, read_manifest, write_manifest
 from asr.tokenizer import load_tokenizer
-from asr.train_config import ExperimentConfig, load_experiment_config
-from asr.trainer import train
+from asr.train_asr import train
+from asr.train_setup import ExperimentConfig, load_experiment_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_SECONDS = 40.0  # length of each source FLAC: longer than any segment (35 s)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from asr.api import load_model  # noqa: E402
 from asr.audio import load_audio  # noqa: E402
-from asr.decode import load_decoding_config  # noqa: E402
+from asr.decoding import load_decoding_config  # noqa: E402
 from asr.manifest import read_manifest  # noqa: E402
 from asr.metrics import score  # noqa: E402
 

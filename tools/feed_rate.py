@@ -68,7 +68,7 @@ from asr.manifest import Utterance, read_manifest
 from asr.model import ASRModel, ModelConfig, build_model, count_parameters
 from asr.tokenizer import train_tokenizer
 from asr.tokens import FIRST_TOKEN, sos_id
-from asr.train_config import ExperimentConfig
+from asr.train_setup import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_FACTOR = 3.0  # training FLOPs / forward FLOPs

@@ -221,7 +221,7 @@ def decode_batches(config: ModelConfig, args: argparse.Namespace, device: torch.
 def decode_once(model: ASRModel, batch: tuple, options: SearchOptions, dtype: torch.dtype | None) -> None:
     feats, frames, _ = batch
     with torch.no_grad(), torch.autocast(feats.device.type, dtype=dtype, enabled=dtype is not None):
-        decode_memory(model, *model.encoder(feats, frames), options)
+        decode_memory(model, *model.encode(feats, frames), options)
 
 
 def count_syncs(fn) -> int | None:

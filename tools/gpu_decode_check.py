@@ -33,7 +33,7 @@ from asr.config import to_dict  # noqa: E402
 from asr.features import CMVNStats, fbank  # noqa: E402
 from asr.model import ModelConfig, build_model  # noqa: E402
 from asr.tokenizer import CharTokenizer  # noqa: E402
-from asr.train_config import load_experiment_config  # noqa: E402
+from asr.train_setup import load_experiment_config  # noqa: E402
 
 TEXT = "THE CAT SAT ON THE MAT"
 

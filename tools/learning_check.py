@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 from asr.checkpoint import load_file  # noqa: E402
 from asr.corpora import speed_perturb  # noqa: E402
 from asr.manifest import read_manifest, write_manifest  # noqa: E402
-from asr.train_config import load_experiment_config  # noqa: E402
 from asr.train_log import read_records  # noqa: E402
+from asr.train_setup import load_experiment_config  # noqa: E402
 
 SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
 

@@ -221,7 +221,7 @@ def _preimport() -> None:
     from torch.utils.tensorboard import SummaryWriter  # noqa: F401
 
     import asr.cli
-    import asr.trainer  # noqa: F401
+    import asr.train_asr  # noqa: F401
 
     torch.set_num_threads(1)
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import librispeech_durations
 
 from asr.sampler import DurationBucketSampler
-from asr.train_config import batch_plan, learning_rate, load_experiment_config, total_steps
+from asr.train_config import learning_rate, total_steps
+from asr.train_setup import batch_plan, load_experiment_config
 
 DEFAULT = ["conf/librispeech_100h.yaml:302", "conf/librispeech_960h.yaml:2883"]
 
@@ -34,13 +35,13 @@ def schedule(config_path: str, hours: float, gpus: list[int], overrides: list[st
     tc, rows = config.training, []
     for w in gpus:
         plan = batch_plan(config, w)
-        sampler = DurationBucketSampler(durations, max_batch_seconds=plan.micro_batch_seconds, seed=tc.seed,
+        sampler = DurationBucketSampler(durations, max_batch_seconds=plan.micro_batch, seed=tc.seed,
                                         num_replicas=w, rank=0, num_buckets=config.data.num_buckets, group=plan.group)
         per_epoch = sampler.epoch_batches() // plan.group
         total = total_steps(tc, per_epoch)
         peak = max(learning_rate(tc, s, total) for s in range(0, total, max(1, total // 2000)))
-        rows.append({"config": config_path, "gpus": w, "accum": plan.accum, "micro_batch_s": plan.micro_batch_seconds,
-                     "step_s": plan.step_seconds, "steps_per_epoch": per_epoch, "steps": total,
+        rows.append({"config": config_path, "gpus": w, "accum": plan.accum, "micro_batch_s": plan.micro_batch,
+                     "step_s": plan.step_size, "steps_per_epoch": per_epoch, "steps": total,
                      "warmup_share": min(1.0, tc.warmup_steps / total), "peak_lr": peak, "lr": tc.lr})
     return rows
 

@@ -17,8 +17,8 @@ from asr.model.asr_model import (
 )
 from asr.model.attention import IN_PARTS, MultiHeadAttention, key_mask
 from asr.model.conformer import ConformerEncoder, RelPositionAttention
-from asr.model.decoder import DecoderCache, ReorderPlan, TransformerDecoder
-from asr.model.encoder import TransformerEncoder, sinusoidal_positions
+from asr.model.decoder import DecoderCache, ExportedStepCache, TransformerDecoder
+from asr.model.encoder import EncoderAttention, TransformerEncoder, sinusoidal_positions
 from asr.model.lm import LMConfig, TransformerLM
 from asr.model.subsampling import Conv2dSubsampling, conv_output_length, right_context
 
@@ -28,10 +28,11 @@ __all__ = [
     "ConformerEncoder",
     "Conv2dSubsampling",
     "DecoderCache",
+    "EncoderAttention",
     "LMConfig",
     "ModelConfig",
     "ModelOutput",
-    "ReorderPlan",
+    "ExportedStepCache",
     "MultiHeadAttention",
     "RelPositionAttention",
     "TransformerDecoder",

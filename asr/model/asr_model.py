@@ -15,7 +15,7 @@ from torch import nn
 
 from asr.model.attention import MultiHeadAttention
 from asr.model.conformer import ConformerEncoder
-from asr.model.decoder import TransformerDecoder
+from asr.model.decoder import DecoderCache, TransformerDecoder
 from asr.model.encoder import TransformerEncoder
 from asr.model.subsampling import RATES, conv_output_length
 from asr.tokens import BLANK, IGNORE_ID, MIN_VOCAB, eos_id, sos_id
@@ -190,6 +190,32 @@ class ASRModel(nn.Module):
     def ctc_log_probs(self, h: torch.Tensor) -> torch.Tensor:
         """CTC log-probabilities (B, T, V) float32 of encoder output h (B, T, d)."""
         return self.ctc(h).float().log_softmax(dim=-1)
+
+    # the inference contract (asr.inference.InferenceModel): what decoding reads
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed.weight.device  # (an embedding: int8 copies keep it, asr.quantize)
+
+    @property
+    def min_frames(self) -> int:
+        """Feature frames the first encoder frame needs (the subsampling's receptive field)."""
+        return self.encoder.subsampling.receptive_field
+
+    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(memory (B, S, d), memory_lens (B,)) of feats (B, T, n_mels), feat_lens (B,)."""
+        return self.encoder(feats, feat_lens)
+
+    def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,
+                   capacity: int = 64) -> DecoderCache:
+        return self.decoder.init_cache(memory, memory_lens, rows=rows, capacity=capacity)
+
+    def step(self, last_tokens: torch.Tensor, cache: DecoderCache) -> tuple[torch.Tensor, DecoderCache]:
+        return self.decoder.step(last_tokens, cache)
+
+    def teacher_forced(self, tokens: torch.Tensor, token_lens: torch.Tensor, memory: torch.Tensor,
+                       memory_lens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(tokens, token_lens, memory, memory_lens)
 
     def forward(
         self,

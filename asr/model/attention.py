@@ -19,8 +19,10 @@ memory-efficient, then the math fallback; on the CPU one flash-style kernel take
   (B, H, T, T) with the key padding folded in -> memory-efficient on CUDA (flash takes no bias).
 
 The fused kernels never form the weights. `attend_with_weights` is the explicit matmul-softmax
-reference path that returns them (attention pictures: TransformerDecoder.forward_with_attention);
-it gives the same outputs to rounding and is used only when the weights are asked for.
+reference path that returns them, and `forward_with_weights` the self-attention on it (attention
+pictures: the encoders' and the decoder's `forward_with_attention`; the conformer's relative
+positions go through it as an additive bias); it gives the same outputs to rounding and is used
+only when the weights are asked for.
 """
 from __future__ import annotations
 
@@ -173,4 +175,11 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         """Self-attention of x (B, T, d) -> (B, T, d); `mask` as in `attend`."""
         return self.attend(*self.qkv(x), mask=mask, is_causal=is_causal)
+
+    def forward_with_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                             is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the explicit path (`attend_with_weights`), for attention pictures: its output
+        (B, T, d), the same to rounding, and the weights (B, H, T, T), exactly 0 where `mask` or
+        `is_causal` forbids a key."""
+        return self.attend_with_weights(*self.qkv(x), mask=mask, is_causal=is_causal)
 

@@ -43,6 +43,10 @@ keeps its bias for the backward pass (x 12 layers: 147 MB fp32 / 73 MB bf16 per 
 H = 4), about what the math path keeps in probabilities; a 600 s micro-batch of such utterances
 holds about 17 of them.
 
+The weights for attention pictures (`forward_with_attention`) come from the explicit matmul-softmax
+path (MultiHeadAttention.attend_with_weights) with the same query q + u and the same position bias,
+padding as -inf there (exact zeros); the fused path above stays that of training and decoding.
+
 Initialization follows ASRModel.reset_parameters (xavier-uniform matrices, zero biases, the
 position projection too); u and v are xavier-uniform over their (H, dh) shape, as ESPnet does.
 """
@@ -55,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asr.model.attention import MultiHeadAttention, key_mask
-from asr.model.encoder import ConvModule, FeedForward, sinusoidal_positions
+from asr.model.encoder import ConvModule, EncoderAttention, FeedForward, sinusoidal_positions
 from asr.model.subsampling import Conv2dSubsampling
 
 __all__ = ["ConformerEncoder", "ConformerLayer", "RelPositionAttention", "rel_shift", "relative_encodings"]
@@ -119,6 +123,15 @@ class RelPositionAttention(MultiHeadAttention):
                                            dropout_p=p)  # (B, H, T, dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, self.d_model))
 
+    def forward_with_weights(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the explicit path (MultiHeadAttention.attend_with_weights, the position term
+        as its additive bias): (B, T, d), the same to rounding, and the weights (B, H, T, T), exactly
+        0 on padded keys."""
+        q, k, v = self.qkv(x)  # (B, H, T, dh) each
+        bias = self.position_bias(q, positions).masked_fill(~mask, float("-inf"))  # (B, H, T, T)
+        return self.attend_with_weights(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, mask=bias)
+
 
 class ConformerLayer(nn.Module):
     """One macaron block: half-step FFN, relative-position self-attention, convolution, half-step
@@ -145,6 +158,17 @@ class ConformerLayer(nn.Module):
         x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
         x = x + 0.5 * self.dropout(self.ffn(self.norm_ffn(x)))
         return self.norm_out(x)
+
+    def forward_with_attention(self, x: torch.Tensor, positions: torch.Tensor,
+                               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the self-attention on the explicit path (RelPositionAttention.forward_with_weights):
+        (B, T, d), the same to rounding, and the weights (B, H, T, T)."""
+        x = x + 0.5 * self.dropout(self.ffn_macaron(self.norm_ffn_macaron(x)))
+        y, weights = self.self_attn.forward_with_weights(self.norm_attn(x), positions, mask)
+        x = x + self.dropout(y)
+        x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
+        x = x + 0.5 * self.dropout(self.ffn(self.norm_ffn(x)))
+        return self.norm_out(x), weights
 
 
 class ConformerEncoder(nn.Module):
@@ -192,3 +216,18 @@ class ConformerEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, mask)
         return self.norm(x), x_lens
+
+    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
+        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
+        head (relative positions included), from the explicit attention path: for attention pictures,
+        never for training or search."""
+        x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
+        t = x.size(1)
+        positions = self.dropout(relative_encodings(t, self.d_model, x.device).to(x.dtype))  # (2T' - 1, d)
+        x = self.dropout(x * math.sqrt(self.d_model))
+        mask = key_mask(x_lens, t)  # (B, 1, 1, T')
+        weights = []
+        for layer in self.layers:
+            x, layer_weights = layer.forward_with_attention(x, positions, mask)  # (B, T', d), (B, H, T', T')
+            weights.append(layer_weights)
+        return EncoderAttention(self.norm(x), x_lens, torch.stack(weights))

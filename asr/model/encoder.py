@@ -1,10 +1,13 @@
 """Transformer encoder: conv2d subsampling -> scaled input + sinusoidal positions -> pre-LayerNorm
 blocks -> final LayerNorm. (feats, feat_lens) -> (h, h_lens); masks come from the lengths after
-subsampling. Also the pieces the decoder shares: positions and the feed-forward block.
+subsampling. `forward_with_attention` is `forward` that also returns the self-attention weights
+(pictures), as the conformer's does (EncoderAttention). Also the pieces the decoder shares:
+positions and the feed-forward block.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,16 @@ from torch import nn
 
 from asr.model.attention import MultiHeadAttention, key_mask
 from asr.model.subsampling import Conv2dSubsampling
+
+
+class EncoderAttention(NamedTuple):
+    """What the encoders' `forward_with_attention` returns (TransformerEncoder, ConformerEncoder)."""
+
+    memory: torch.Tensor  # (B, T', d): `forward`'s h, the same to rounding
+    memory_lens: torch.Tensor  # (B,) long: `forward`'s h_lens
+    self_attention: torch.Tensor  # (layers, B, H, T', T'): the weights of frame i over frames j; each
+    # row sums to 1 over the valid frames memory_lens[b] (the first one for a length 0) and is exactly
+    # 0 on the others (the rows of padding frames too, which mean nothing)
 
 
 def sinusoidal_positions(positions: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -94,6 +107,15 @@ class EncoderLayer(nn.Module):
             x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
+    def forward_with_attention(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the self-attention on the explicit path (MultiHeadAttention.forward_with_weights):
+        (B, T, d), the same to rounding, and the weights (B, H, T, T)."""
+        y, weights = self.self_attn.forward_with_weights(self.norm1(x), mask=mask)
+        x = x + self.dropout(y)
+        if self.conv_kernel > 0:
+            x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
+        return x + self.dropout(self.ffn(self.norm2(x))), weights
+
 
 class TransformerEncoder(nn.Module):
     """(feats (B, T, n_mels), feat_lens (B,)) -> (h (B, T', d_model), h_lens (B,)).
@@ -135,3 +157,16 @@ class TransformerEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x), x_lens
+
+    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
+        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
+        head, from the explicit attention path: for attention pictures, never for training or search."""
+        x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
+        positions = sinusoidal_positions(torch.arange(x.size(1), device=x.device), self.d_model)
+        x = self.dropout(x * math.sqrt(self.d_model) + positions)
+        mask = key_mask(x_lens, x.size(1))  # (B, 1, 1, T')
+        weights = []
+        for layer in self.layers:
+            x, layer_weights = layer.forward_with_attention(x, mask)  # (B, T', d), (B, H, T', T')
+            weights.append(layer_weights)
+        return EncoderAttention(self.norm(x), x_lens, torch.stack(weights))

@@ -67,9 +67,8 @@ class LMLayer(nn.Module):
 
     def step(self, x: torch.Tensor, index: int, cache: DecoderCache) -> torch.Tensor:
         """One position: x (R, 1, d) -> (R, 1, d), reading and filling layer `index` of the cache."""
-        q, kv = self.self_attn.q_kv(self.norm1(x))
-        keys, values = cache.append(index, kv)  # (R, H, t + 1, dh) each
-        x = x + self.self_attn.attend(q, keys, values)
+        q, kv = self.self_attn.q_kv(self.norm1(x))  # (R, H, 1, dh), (R, 1, 2, H, dh)
+        x = x + cache.attend_self(index, self.self_attn, q, kv)
         return x + self.ffn(self.norm2(x))
 
 
@@ -133,16 +132,14 @@ class TransformerLM(nn.Module):
         self_kv = torch.empty(c.n_layers, 2, rows, max(capacity, 1), heads, dh, device=device, dtype=dtype)
         no_memory = torch.empty(c.n_layers, 2, rows // group, heads, 0, dh, device=device, dtype=dtype)
         mask = torch.zeros(rows // group, 1, 1, 0, device=device, dtype=dtype)
-        return DecoderCache(self_kv, no_memory, mask, self._positions(max(capacity, 1), device))
+        inputs = torch.zeros(rows, max(capacity, 1), dtype=torch.long, device=device)
+        return DecoderCache(self_kv, no_memory, mask, self._positions(max(capacity, 1), device), inputs)
 
     def step(self, last_tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """Log-probabilities (R, V) float32 of the token after each row's last token (R,) (sos first),
         all at position cache.length; the cache is updated in place (decode under no_grad)."""
-        t = cache.length
-        if t == cache.positions.size(0):
-            cache.positions = self._positions(2 * t, last_tokens.device)
-        x = self._embed(last_tokens[:, None], cache.positions[t:t + 1])  # (R, 1, d)
+        x = self._embed(last_tokens[:, None], cache.position_encoding())  # (R, 1, d)
         for index, layer in enumerate(self.layers):
             x = layer.step(x, index, cache)
-        cache.length += 1
+        cache.advance(last_tokens)
         return self._log_probs(x[:, 0])

@@ -85,7 +85,7 @@ run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
 # its mel bins (for the CMVN statistics)
 read -r kind vocab n_mels < <(python -c '
 import sys
-from asr.train_config import load_experiment_config
+from asr.train_setup import load_experiment_config
 c = load_experiment_config(sys.argv[1], sys.argv[2:])
 t = c.tokenizer
 print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels)' "$config" "${overrides[@]}") || true
@@ -136,7 +136,7 @@ run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by las
 decode() {
   local conf=$root/conf/decode/synth.yaml set beam
   [ -f "$data/lm.arpa" ] || word_lm  # an experiment whose stage 1 ran before stage 1 built the LM
-  beam=$(python -c 'import sys; from asr.decode import load_decoding_config as c; print(c(sys.argv[1]).beam_size)' "$conf")
+  beam=$(python -c 'import sys; from asr.decoding import load_decoding_config as c; print(c(sys.argv[1]).beam_size)' "$conf")
   for set in dev test; do
     asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open" \
       --config "$conf" --beam-size 10

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from asr.train_config import load_experiment_config
+from asr.train_setup import load_experiment_config
 
 
 def main(argv: list[str]) -> int:

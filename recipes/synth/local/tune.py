@@ -38,7 +38,8 @@ from pathlib import Path
 import yaml
 
 from asr.config import ConfigError, to_dict
-from asr.decode import JOURNAL, DecodingConfig, decode_manifest, load_decoding_config, write_outputs
+from asr.decode import JOURNAL, decode_manifest, write_outputs
+from asr.decoding import DecodingConfig, load_decoding_config
 from asr.fileio import atomic_open
 from asr.lm import LMError, NgramLM, rescore
 from asr.manifest import ManifestError, read_manifest
