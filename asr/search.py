@@ -297,9 +297,8 @@ class BeamSearch:
                 candidates: torch.Tensor) -> tuple[Selection, dict[str, tuple[int, ...]], torch.Tensor] | None:
         """The best N running candidates (best (B, N) into each utterance's N * C candidates) of
         the staying utterances (stay (B,) bool): their Selection, the counting scorers' counts and
-        the scores (R',); None
-        when no utterance stays. Makes the step's one host synchronization: how many utterances
-        stay, and the numbers the counting scorers asked for."""
+        the scores (R',); None when no utterance stays. Makes the step's one host synchronization:
+        how many utterances stay, and the numbers the counting scorers asked for."""
         n, c = self.beam, candidates.size(1)
         slot_of = _stable_slots(best.indices // c)  # (B, N)
         index = best.indices.gather(1, slot_of)  # (B, N), by the row (within the utterance) each goes to
