@@ -155,6 +155,10 @@ class ConformerLayer(nn.Module):
         """x (B, T, d), positions (2T - 1, d), mask (B, 1, 1, T) True on valid frames -> (B, T, d)."""
         x = x + 0.5 * self.dropout(self.ffn_macaron(self.norm_ffn_macaron(x)))
         x = x + self.dropout(self.self_attn(self.norm_attn(x), positions, mask))
+        return self._after_attention(x, mask)
+
+    def _after_attention(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The blocks after self-attention: the convolution, the second half-step FFN, the closing norm."""
         x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
         x = x + 0.5 * self.dropout(self.ffn(self.norm_ffn(x)))
         return self.norm_out(x)
@@ -165,10 +169,7 @@ class ConformerLayer(nn.Module):
         (B, T, d), the same to rounding, and the weights (B, H, T, T)."""
         x = x + 0.5 * self.dropout(self.ffn_macaron(self.norm_ffn_macaron(x)))
         y, weights = self.self_attn.forward_with_weights(self.norm_attn(x), positions, mask)
-        x = x + self.dropout(y)
-        x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
-        x = x + 0.5 * self.dropout(self.ffn(self.norm_ffn(x)))
-        return self.norm_out(x), weights
+        return self._after_attention(x + self.dropout(y), mask), weights
 
 
 class ConformerEncoder(nn.Module):
@@ -208,24 +209,26 @@ class ConformerEncoder(nn.Module):
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, x_lens, positions, mask = self._inputs(feats, feat_lens)
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        return self.norm(x), x_lens
+
+    def _inputs(self, feats: torch.Tensor,
+                feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input (B, T', d), its lengths (B,), the relative encodings (2T' - 1, d)
+        and the key mask (B, 1, 1, T')."""
         x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
         t = x.size(1)
         positions = self.dropout(relative_encodings(t, self.d_model, x.device).to(x.dtype))  # (2T' - 1, d)
         x = self.dropout(x * math.sqrt(self.d_model))
-        mask = key_mask(x_lens, t)  # (B, 1, 1, T')
-        for layer in self.layers:
-            x = layer(x, positions, mask)
-        return self.norm(x), x_lens
+        return x, x_lens, positions, key_mask(x_lens, t)
 
     def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
         """`forward` (the same output, to rounding) and the self-attention weights of every layer and
         head (relative positions included), from the explicit attention path: for attention pictures,
         never for training or search."""
-        x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
-        t = x.size(1)
-        positions = self.dropout(relative_encodings(t, self.d_model, x.device).to(x.dtype))  # (2T' - 1, d)
-        x = self.dropout(x * math.sqrt(self.d_model))
-        mask = key_mask(x_lens, t)  # (B, 1, 1, T')
+        x, x_lens, positions, mask = self._inputs(feats, feat_lens)
         weights = []
         for layer in self.layers:
             x, layer_weights = layer.forward_with_attention(x, positions, mask)  # (B, T', d), (B, H, T', T')

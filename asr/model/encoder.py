@@ -102,7 +102,10 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B, T, d), mask (B, 1, 1, T) True on valid frames -> (B, T, d)."""
-        x = x + self.dropout(self.self_attn(self.norm1(x), mask=mask))
+        return self._after_attention(x + self.dropout(self.self_attn(self.norm1(x), mask=mask)), mask)
+
+    def _after_attention(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The blocks after self-attention: the convolution (when there is one), the feed-forward."""
         if self.conv_kernel > 0:
             x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
         return x + self.dropout(self.ffn(self.norm2(x)))
@@ -111,10 +114,7 @@ class EncoderLayer(nn.Module):
         """`forward` with the self-attention on the explicit path (MultiHeadAttention.forward_with_weights):
         (B, T, d), the same to rounding, and the weights (B, H, T, T)."""
         y, weights = self.self_attn.forward_with_weights(self.norm1(x), mask=mask)
-        x = x + self.dropout(y)
-        if self.conv_kernel > 0:
-            x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
-        return x + self.dropout(self.ffn(self.norm2(x))), weights
+        return self._after_attention(x + self.dropout(y), mask), weights
 
 
 class TransformerEncoder(nn.Module):
@@ -150,21 +150,22 @@ class TransformerEncoder(nn.Module):
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
-        positions = sinusoidal_positions(torch.arange(x.size(1), device=x.device), self.d_model)
-        x = self.dropout(x * math.sqrt(self.d_model) + positions)
-        mask = key_mask(x_lens, x.size(1))  # (B, 1, 1, T')
+        x, x_lens, mask = self._inputs(feats, feat_lens)
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x), x_lens
 
-    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
-        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
-        head, from the explicit attention path: for attention pictures, never for training or search."""
+    def _inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input (B, T', d), its lengths (B,) and key mask (B, 1, 1, T')."""
         x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
         positions = sinusoidal_positions(torch.arange(x.size(1), device=x.device), self.d_model)
         x = self.dropout(x * math.sqrt(self.d_model) + positions)
-        mask = key_mask(x_lens, x.size(1))  # (B, 1, 1, T')
+        return x, x_lens, key_mask(x_lens, x.size(1))
+
+    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
+        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
+        head, from the explicit attention path: for attention pictures, never for training or search."""
+        x, x_lens, mask = self._inputs(feats, feat_lens)
         weights = []
         for layer in self.layers:
             x, layer_weights = layer.forward_with_attention(x, mask)  # (B, T', d), (B, H, T', T')
