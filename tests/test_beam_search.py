@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from host_syncs import HostSyncs  # tests/host_syncs.py
 
 from asr.model import ASRModel, ModelConfig
 from asr.scorer import CountingScorer, Selection
@@ -20,6 +21,7 @@ from asr.search import (
     _fill_holes,
     _stable_slots,
     decode_memory,
+    length_limits,
     search,
     search_nbest,
     teacher_forced_scores,
@@ -309,6 +311,24 @@ def test_at_most_one_host_sync_per_step_on_cuda(mode):
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     assert syncs <= max(LENGTHS) + 1 + 8, syncs
+
+
+@pytest.mark.parametrize("mode", ["attention", "greedy", "ctc_greedy", "ctc_rescore"])
+def test_search_makes_one_host_transfer_per_step(mode):
+    """The operations that would make the host wait for a GPU (tests/host_syncs.py), counted on
+    the CPU: one per decoding step, plus two to start (the limits, the longest) and one to end
+    (the results); this is the CUDA promise that test_at_most_one_host_sync_per_step_on_cuda
+    checks on a device, kept in CI."""
+    model = tiny_model(8, dtype=torch.float32)
+    memory, lens = random_memory(model, LENGTHS, 8)
+    options = dataclasses.replace(JOINT, mode=mode)
+    limits = length_limits(model, lens, options.max_len_ratio, options.max_rate_factor)
+    with HostSyncs() as syncs:
+        decode_memory(model, memory, lens, options)
+    steps = int(limits.max()) + 1
+    assert 0 < syncs.count <= steps + 4, (syncs.count, steps, syncs.where.most_common(5), syncs.kinds)
+    per_site = syncs.where.most_common(2)
+    assert len(per_site) < 2 or per_site[1][1] <= 3, syncs.where  # one site per step, the rest a few in all
 
 
 class _RowSpy:

@@ -201,3 +201,34 @@ def test_build_model_on_the_meta_device():
         model = build_model(CONFORMER)
     assert isinstance(model.encoder, ConformerEncoder) and model.encoder.d_model == 32
     assert model.encoder.subsampling.receptive_field == 7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("encoder", ["transformer", "conformer"])
+def test_training_on_cuda_runs_no_cudnn_attention(encoder):
+    """A bf16 training step on CUDA, profiled: every attention runs on the kernels `attention.sdpa`
+    names (flash for the decoder's causal self-attention, memory-efficient for padded and biased
+    attention), never cuDNN's, which builds a plan for every new shape; and the same loss as
+    fp32 to bf16's precision."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = ASRModel(dataclasses.replace(CONFORMER, encoder=encoder, dropout=0.0)).cuda().train()
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 180, SMALL.n_mels, generator=g).cuda()
+    feat_lens = torch.tensor([180, 131, 77]).cuda()
+    tokens = torch.randint(1, SMALL.vocab_size - 2, (3, 9), generator=g).cuda()
+    token_lens = torch.tensor([9, 7, 4]).cuda()
+    tokens = tokens.masked_fill(torch.arange(9, device="cuda") >= token_lens[:, None], -1)
+    reference = model(feats, feat_lens, tokens, token_lens).loss.item()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(feats, feat_lens, tokens, token_lens).loss
+        loss.backward()
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    attention = {n for n in names if "attention" in n and n.startswith("aten::_")}
+    assert not {n for n in attention if "cudnn" in n}, attention
+    assert any("efficient_attention" in n for n in attention), attention
+    assert any("flash_attention" in n for n in attention), attention
+    assert loss.item() == pytest.approx(reference, rel=0.05)

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import torch
+from host_syncs import HostSyncs  # tests/host_syncs.py
 from test_api import TOKENS, write_decode_files
-from test_beam_search import JOINT, LENGTHS, attention_log_prob, ctc_log_prob, random_memory, tiny_model
+from test_beam_search import JOINT, LENGTHS, attention_log_prob, ctc_log_prob, length_limits, random_memory, tiny_model
 
 import asr.lexicon as lexicon_module
 from asr.api import load_model
@@ -254,6 +255,22 @@ def test_a_bad_lexicon_is_one_line_naming_the_file(files, tmp_path):
         assert done.returncode != 0
         lines = done.stderr.strip().splitlines()
         assert "nowhere.txt: cannot read the word list" in lines[-1], done.stderr
+
+
+@pytest.mark.parametrize("options", [JOINT, SearchOptions(mode="attention", beam_size=3, ctc_weight=0.0)],
+                         ids=["joint", "attention"])
+def test_lexicon_search_makes_one_host_transfer_per_step(options):
+    """The lexicon's constraint adds no host read to the search's one per step (tests/host_syncs.py
+    counts on the CPU what would make the host wait for a GPU)."""
+    model = tiny_model(5, dtype=torch.float32)
+    memory, lens = random_memory(model, LENGTHS, 5)
+    steps = int(length_limits(model, lens, options.max_len_ratio, options.max_rate_factor).max()) + 1
+    tok = CharTokenizer(TOKENS)
+    scorer = LexiconScorer(compiled(tok, SEARCH_WORDS))  # compiled outside the count: a build, not a step
+    scorers = Scorers({"lexicon": scorer}, weights={"lexicon": 1.0}, constraints=("lexicon",))
+    with HostSyncs() as syncs:
+        decode_memory(model, memory, lens, options, scorers)
+    assert 0 < syncs.count <= steps + 4, (syncs.count, steps, syncs.where.most_common(5), syncs.kinds)
 
 
 @pytest.mark.gpu

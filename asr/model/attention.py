@@ -3,20 +3,24 @@
 Mask convention (DESIGN.md): boolean, True = may attend, broadcast to (B, H, T_query, T_key).
 Shape legend: B batch, H heads, T query length, S key length, dh = d_model / H.
 
-Which fused kernel runs (torch picks the first that accepts the inputs: flash, then cuDNN /
-memory-efficient, then the math fallback; on the CPU one flash-style kernel takes every case):
-- decoder self-attention, teacher-forced (training, rescoring): no mask, `is_causal=True` ->
-  flash on CUDA (fp16 / bf16 under autocast; fp32 goes to memory-efficient);
-- decoder self-attention, cached step: one query per row over the cache, no mask (the cache
-  holds only valid steps) -> flash; the keys and values are strided views of the cache buffer
-  (head dimension contiguous), which the fused kernels read in place;
-- encoder self-attention and all cross-attention: the key-padding mask (B, 1, 1, S) -> flash
-  cannot take an arbitrary mask, so memory-efficient (or cuDNN where it accepts the mask) runs;
-  a batch without padding would need no mask, but finding that out costs a host sync, so the
-  mask is always passed. Beam search folds the N hypotheses of an utterance into N query
-  positions over the utterance's keys (`attend`), so the keys are never copied per hypothesis;
-- conformer self-attention (asr.model.conformer): relative positions make an additive float bias
-  (B, H, T, T) with the key padding folded in -> memory-efficient on CUDA (flash takes no bias).
+Which fused kernel runs. On the CPU torch's own choice stands (one flash-style kernel takes every
+case but a bias that needs its gradient, which goes to the math fallback). On CUDA torch would try
+flash, then cuDNN, then memory-efficient, then math (torch 2.11); `sdpa` names the kernels each
+call may use instead, and never cuDNN: cuDNN's attention builds an execution plan for every new
+shape (batch size and length), and with a new padded length in nearly every batch the planning
+took 11 ms of CPU per call on an H200, 61% of the CPU time of a training step, while its kernels
+took <1% of the GPU time (`tools/gpu_check.py` profiles it; `SDPA_BACKENDS` is what to change
+to measure another choice):
+- no mask (the decoder's causal self-attention in training and rescoring, `is_causal=True`; its
+  cached step, one query per row over the cache, which holds only valid steps): flash (fp16 /
+  bf16; the keys and values are strided views of the cache buffer with the head dimension
+  contiguous, which it reads in place), then memory-efficient (fp32), then math;
+- a mask (encoder self-attention and all cross-attention, the key-padding mask (B, 1, 1, S):
+  flash takes none; the conformer's additive relative-position bias (B, H, T, T), whose gradient
+  the backward pass needs): memory-efficient, then math. A batch without padding would need no
+  mask, but finding that out costs a host sync, so the mask is always passed. Beam search folds
+  the N hypotheses of an utterance into N query positions over the utterance's keys (`attend`),
+  so the keys are never copied per hypothesis.
 
 The fused kernels never form the weights. `attend_with_weights` is the explicit matmul-softmax
 reference path that returns them, and `forward_with_weights` the self-attention on it (attention
@@ -29,6 +33,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# The kernels a call on CUDA may use, in torch's order (see the module docstring): by whether it
+# passes a mask.
+SDPA_BACKENDS = {
+    "unmasked": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "masked": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+}
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """`F.scaled_dot_product_attention(q, k, v, attn_mask=mask, ...)`, on CUDA restricted to the
+    kernels of SDPA_BACKENDS (never cuDNN's, which re-plans for every shape); torch's own choice on
+    other devices."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    with sdpa_kernel(SDPA_BACKENDS["unmasked" if mask is None else "masked"]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
 def key_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -126,8 +149,7 @@ class MultiHeadAttention(nn.Module):
         additive; `is_causal` needs R == B and T == S.
         """
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(self._fold(q, k.size(0)), k, v, attn_mask=mask, dropout_p=p,
-                                           is_causal=is_causal)
+        y = sdpa(self._fold(q, k.size(0)), k, v, mask, dropout_p=p, is_causal=is_causal)
         return self._unfold(y, q.shape)
 
     def attend_with_weights(

@@ -26,11 +26,10 @@ for the 2T - 1 positions, (B, H, T, 2T - 1), and shifted into (B, H, T, T) by a 
 fully masked and no softmax sees only -inf.
 
 Which SDPA kernel takes the float bias (its gradient is needed too: it depends on q, v and P):
-- CUDA: flash attention takes no mask at all and is skipped; the memory-efficient kernel takes an
-  additive bias and returns its gradient (torch pads the bias's last dimension for alignment);
-  cuDNN attention where the installed torch lets it take the bias; the math fallback otherwise,
-  which materializes the scores and the probabilities, (B, H, T, T) each. Not verified on a GPU
-  when this was written: the profiler shows which `aten::_scaled_dot_product_*` kernel a torch picks.
+- CUDA: the memory-efficient kernel, named by `attention.sdpa` (flash takes no mask; cuDNN's
+  attention re-plans for every shape, see asr.model.attention), which takes an additive bias and
+  returns its gradient (torch pads the bias's last dimension for alignment); the bias is made in
+  the query's dtype (bf16 under autocast) and is contiguous (masked_fill writes a new tensor).
 - CPU (measured, torch 2.14): without gradients and dropout (decoding) the flash-style CPU kernel
   takes the bias; in training (a bias that needs its gradient, or dropout) the math fallback runs.
 
@@ -55,10 +54,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from asr.model.attention import MultiHeadAttention, key_mask
+from asr.model.attention import MultiHeadAttention, key_mask, sdpa
 from asr.model.encoder import ConvModule, EncoderAttention, FeedForward, sinusoidal_positions
 from asr.model.subsampling import Conv2dSubsampling
 
@@ -119,8 +117,7 @@ class RelPositionAttention(MultiHeadAttention):
         q, k, v = self.qkv(x)  # (B, H, T, dh) each
         bias = self.position_bias(q, positions).masked_fill(~mask, torch.finfo(q.dtype).min)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, attn_mask=bias,
-                                           dropout_p=p)  # (B, H, T, dh)
+        y = sdpa(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, bias, dropout_p=p)  # (B, H, T, dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, self.d_model))
 
     def forward_with_weights(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
