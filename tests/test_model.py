@@ -467,3 +467,24 @@ def test_model_package_imports_only_torch():
             words = line.split()
             if words[:1] in (["import"], ["from"]) and words[1].split(".")[0] == "asr":
                 assert words[1].startswith("asr.model") or words[1] == "asr.tokens", f"{path.name}: {line}"
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "conformer"])
+def test_a_training_forward_and_backward_read_nothing_on_the_host(encoder):
+    """The loss and its gradients make no host read of tensor data (tests/host_syncs.py counts, on
+    the CPU, what would make the host wait for a GPU): the attention loss masks padded targets
+    rather than selecting them, and CTC takes lengths the caller keeps on the host."""
+    from host_syncs import HostSyncs  # tests/host_syncs.py
+    from small_models import SMALL  # tests/small_models.py
+
+    torch.manual_seed(0)
+    model = ASRModel(dataclasses.replace(SMALL, encoder=encoder, conv_kernel=7)).train()
+    g = torch.Generator().manual_seed(0)
+    feats, feat_lens = torch.randn(3, 180, SMALL.n_mels, generator=g), torch.tensor([180, 131, 77])
+    token_lens = torch.tensor([9, 7, 4])
+    tokens = torch.randint(1, SMALL.vocab_size - 2, (3, 9), generator=g)
+    tokens = tokens.masked_fill(torch.arange(9) >= token_lens[:, None], -1)
+    with HostSyncs() as syncs:
+        model(feats, feat_lens, tokens, token_lens).loss.backward()
+    assert syncs.count == 0, syncs.where
+    assert all(p.grad is not None for p in model.parameters())

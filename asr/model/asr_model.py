@@ -234,10 +234,15 @@ class ASRModel(nn.Module):
         by `num_utts` (default: this batch's B, infeasible utterances included); a DDP trainer
         passes the global batch's counts so that the ranks' gradients sum to the whole batch's.
         Utterances CTC cannot align (labels + repeats > encoder frames) add 0 to the CTC loss and
-        are flagged in `ctc_skipped`; the loss is never infinite.
+        are flagged in `ctc_skipped`; the loss is never infinite. feat_lens and token_lens may be
+        on the host while feats are on a GPU (a trainer has them there): CTC then reads its lengths
+        without waiting for the device.
         """
+        lens = (feat_lens, token_lens)  # where the caller has them: on the host, CTC reads them there
+        feat_lens, token_lens = (x.to(feats.device, non_blocking=True) for x in lens)
         h, h_lens = self.encoder(feats, feat_lens)
-        ctc_sum, skipped = self._ctc_sum(h, h_lens, tokens, token_lens)
+        ctc_sum, skipped = self._ctc_sum(h, h_lens, tokens, token_lens,
+                                         ctc_lens=(self.encoder.subsampling.output_lengths(lens[0]), lens[1]))
         att_sum, correct, count = self._attention_sum(h, h_lens, tokens, token_lens)
         num_tokens = count if num_tokens is None else num_tokens
         num_utts = token_lens.new_tensor(tokens.size(0)) if num_utts is None else num_utts
@@ -247,12 +252,14 @@ class ASRModel(nn.Module):
         return ModelOutput(loss, att_loss, ctc_loss, correct / count.clamp(min=1), count,
                            token_lens.new_tensor(tokens.size(0)), skipped)
 
-    def _ctc_sum(self, h: torch.Tensor, h_lens: torch.Tensor, tokens: torch.Tensor,
-                 token_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """CTC loss summed over the feasible utterances, and the (B,) mask of the others."""
+    def _ctc_sum(self, h: torch.Tensor, h_lens: torch.Tensor, tokens: torch.Tensor, token_lens: torch.Tensor,
+                 ctc_lens: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CTC loss summed over the feasible utterances, and the (B,) mask of the others. `ctc_lens`:
+        (h_lens, token_lens) where the caller had them; torch's CTC reads its lengths on the host,
+        which for lengths on a GPU is a synchronization."""
         log_probs = self.ctc_log_probs(h).transpose(0, 1)  # (T, B, V), T >= 1
         # an utterance without frames is infeasible; one (padding) frame keeps every kernel happy
-        per_utt = F.ctc_loss(log_probs, tokens.clamp(min=0), h_lens.clamp(min=1), token_lens, blank=BLANK,
+        per_utt = F.ctc_loss(log_probs, tokens.clamp(min=0), ctc_lens[0].clamp(min=1), ctc_lens[1], blank=BLANK,
                              reduction="none", zero_infinity=True)  # (B,)
         feasible = ctc_feasible(tokens, token_lens, h_lens)
         return torch.where(feasible, per_utt, 0.0).sum(), ~feasible
@@ -267,10 +274,12 @@ class ASRModel(nn.Module):
         targets = torch.cat([tokens, padding], dim=1)  # (B, L + 1): y1 .. yn -1 [-1 ...]
         targets = targets.scatter(1, token_lens[:, None], eos)  # y1 .. yn eos [-1 ...]
         log_probs = self.decoder(inputs, token_lens + 1, h, h_lens)  # (B, L + 1, V)
-        valid = targets != IGNORE_ID
-        log_probs, targets = log_probs[valid], targets[valid]  # (N, V), (N,)
-        loss = smoothed_cross_entropy(log_probs, targets, self.config.lsm_weight).sum()
-        correct = (log_probs.argmax(dim=-1) == targets).sum()
+        valid = targets != IGNORE_ID  # masked rather than selected: selecting would size a tensor by
+        # the data, a host synchronization on a GPU
+        per_token = smoothed_cross_entropy(log_probs.flatten(0, 1), targets.clamp(min=0).flatten(),
+                                           self.config.lsm_weight).view_as(targets)  # (B, L + 1)
+        loss = torch.where(valid, per_token, 0.0).sum()
+        correct = ((log_probs.argmax(dim=-1) == targets) & valid).sum()
         return loss, correct, valid.sum()
 
 
