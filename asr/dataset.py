@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
+from asr.augment import AugmentConfig, Augmenter, derive_seed
 from asr.feature_archive import FeatureArchive
 from asr.features import FeatureConfig, GlobalCMVN, SpecAugmentConfig, fbank, num_frames, spec_augment
 from asr.manifest import LENGTH_TOLERANCE, Utterance
@@ -53,13 +54,6 @@ class Skipped(NamedTuple):
 
     id: str
     reason: str
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from non-negative integer keys (e.g. seed, epoch, index); well mixed, so
-    neighbouring keys give unrelated streams."""
-    state = np.random.SeedSequence(list(keys)).generate_state(2, dtype=np.uint32)
-    return (int(state[0]) << 31) ^ int(state[1])
 
 
 class _PackedStrings:
@@ -134,6 +128,9 @@ class ASRDataset(Dataset):
     archive, dither or CMVN: a frontend on the training device adds them, see asr.device_frontend).
     The utterances are kept compactly (numpy arrays, no Python object per utterance);
     `utterance(i)` rebuilds one (without its speaker).
+    `augment` (training only; asr.augment): noise and reverberation of the waveform (not of
+    features read from the archive), and spectral warping of the features, drawn per (seed,
+    epoch, index); for `waveform(i)` the noise and reverberation alone (the frontend warps).
     """
 
     def __init__(
@@ -146,6 +143,7 @@ class ASRDataset(Dataset):
         training: bool = False,
         seed: int = 0,
         archive: FeatureArchive | None = None,
+        augment: AugmentConfig | None = None,
     ):
         self.archive = archive
         if archive is not None:
@@ -160,6 +158,13 @@ class ASRDataset(Dataset):
         self.training = training
         self.seed = seed
         self.epoch = 0
+        self.augmenter = None
+        if training and augment is not None and augment.enabled:
+            self.augmenter = Augmenter(augment, seed, other=self._other_wave, size=len(utts))
+            archived = 0 if archive is None else int((self._archived >= 0).sum())
+            if augment.on_waves and archived:
+                logger.warning("data.augment: noise and reverberation apply to the utterances computed from "
+                               "their audio, not to the %d read from %s", archived, archive.folder)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -186,31 +191,43 @@ class ASRDataset(Dataset):
     def get(self, index: int, epoch: int) -> Example | Skipped:
         """Utterance `index` with the training randomness of `epoch`."""
         utt = self._utts[index]
+        draw = None if self.augmenter is None else self.augmenter.draw(epoch, index)
         if self.archive is not None and self._archived[index] >= 0:
             feats = self.archive.read(int(self._archived[index]), int(self._archived_frames[index]))
         else:
             wave = self._load(utt)
             if isinstance(wave, Skipped):
                 return wave
+            if draw is not None:
+                wave = self.augmenter.wave(wave, draw)
             generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index)) if self.training else None
             feats = fbank(wave, self.features, training=self.training, generator=generator)  # (T, D)
             if feats.shape[0] == 0:
                 return self._too_short(utt.id, wave)
+        if draw is not None:
+            feats = self.augmenter.features(feats, draw)
         if self.cmvn is not None:
             with torch.no_grad():
                 feats = self.cmvn(feats)
         return Example(utt.id, feats, self._tokens(utt.text))
 
-    def waveform(self, index: int) -> WaveExample | Skipped:
+    def waveform(self, index: int, epoch: int | None = None) -> WaveExample | Skipped:
         """Utterance `index` as its waveform, Skipped as `get` skips it (unreadable, wrong length,
-        too short for one frame)."""
+        too short for one frame); the noise and reverberation of `epoch` (default: set_epoch's)."""
         utt = self._utts[index]
         wave = self._load(utt)
         if isinstance(wave, Skipped):
             return wave
         if num_frames(wave.numel(), self.features) == 0:
             return self._too_short(utt.id, wave)
+        if self.augmenter is not None:
+            wave = self.augmenter.wave(wave, self.augmenter.draw(self.epoch if epoch is None else epoch, index))
         return WaveExample(utt.id, wave, self._tokens(utt.text), index)
+
+    def _other_wave(self, index: int) -> torch.Tensor | None:
+        """Utterance `index`'s waveform for babble; None when it cannot be read."""
+        wave = self._load(self._utts[index])
+        return None if isinstance(wave, Skipped) else wave
 
     @staticmethod
     def _too_short(utt_id: str, wave: torch.Tensor) -> Skipped:

@@ -488,3 +488,42 @@ def test_a_training_forward_and_backward_read_nothing_on_the_host(encoder):
         model(feats, feat_lens, tokens, token_lens).loss.backward()
     assert syncs.count == 0, syncs.where
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "conformer"])
+def test_intermediate_ctc_adds_the_ctc_head_on_the_chosen_layers(encoder):
+    """interctc_weight w, layers (1, 2): CTC = (1 - w) * the final layer's + w * the mean of the
+    CTC head's losses on layers 1 and 2 (through the final LayerNorm); w = 0 leaves the loss as it
+    was; the encoder's output is the same with or without intermediate layers kept."""
+    from small_models import SMALL  # tests/small_models.py
+
+    config = dataclasses.replace(SMALL, encoder=encoder, conv_kernel=7, encoder_layers=3, dropout=0.0)
+    torch.manual_seed(0)
+    plain = ASRModel(config).eval()
+    inter = ASRModel(dataclasses.replace(config, interctc_weight=0.4, interctc_layers=(1, 2))).eval()
+    inter.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(0)
+    feats, feat_lens = torch.randn(3, 180, SMALL.n_mels, generator=g), torch.tensor([180, 131, 77])
+    token_lens = torch.tensor([9, 7, 4])
+    tokens = torch.randint(1, SMALL.vocab_size - 2, (3, 9), generator=g)
+    tokens = tokens.masked_fill(torch.arange(9) >= token_lens[:, None], -1)
+    with torch.no_grad():
+        base, mixed = plain(feats, feat_lens, tokens, token_lens), inter(feats, feat_lens, tokens, token_lens)
+        h, h_lens, layers = inter.encoder.forward_intermediate(feats, feat_lens, (1, 2))
+        assert torch.equal(h, plain.encoder(feats, feat_lens)[0]) and len(layers) == 2
+
+        def ctc(x: torch.Tensor) -> float:
+            lp = inter.ctc_log_probs(x).transpose(0, 1)
+            return float(torch.nn.functional.ctc_loss(lp, tokens.clamp(min=0), h_lens, token_lens,
+                                                       reduction="sum", zero_infinity=True)) / 3
+
+        final, first, second = ctc(h), ctc(layers[0]), ctc(layers[1])
+    assert float(base.ctc_loss) == pytest.approx(final, rel=1e-5)
+    expected = 0.6 * final + 0.4 * (first + second) / 2
+    assert float(mixed.ctc_loss) == pytest.approx(expected, rel=1e-5)
+    assert float(mixed.att_loss) == pytest.approx(float(base.att_loss), rel=1e-6)
+    assert abs(float(mixed.ctc_loss) - float(base.ctc_loss)) > 1e-3  # the layers' losses count
+    for bad in ({"interctc_weight": 0.3}, {"interctc_layers": (1,)}, {"interctc_weight": 0.3, "interctc_layers": (3,)},
+                {"interctc_weight": 0.3, "interctc_layers": (2, 1)}):
+        with pytest.raises(ValueError, match="model.interctc"):
+            dataclasses.replace(config, **bad)

@@ -50,6 +50,9 @@ class ModelConfig:
     conv_kernel: int = 0  # the conformer's convolution kernel (odd, > 0; ESPnet: 31); a transformer with
     # conv_kernel > 0 gets a convolution block of this kernel in every layer
     ctc_weight: float = 0.3  # loss = ctc_weight * CTC + (1 - ctc_weight) * attention
+    interctc_weight: float = 0.0  # intermediate CTC (Lee and Watanabe, 2021): CTC = (1 - w) * the final
+    # layer's + w * the mean over interctc_layers of the CTC head on those layers' outputs
+    interctc_layers: tuple[int, ...] = ()  # encoder layers (1-based, below the last) for interctc_weight > 0
     lsm_weight: float = 0.1  # label smoothing e of the attention loss
     tie_embeddings: bool = False  # share the decoder's embedding and output projection matrix
     tokens_per_second: float = 0.0  # mean target rate of the training data (tokens / seconds of audio);
@@ -71,6 +74,13 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "lsm_weight"):
             _require(self, name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
         _require(self, "ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]")
+        _require(self, "interctc_weight", 0.0 <= self.interctc_weight < 1.0, "must be in [0, 1)")
+        layers = self.interctc_layers
+        _require(self, "interctc_layers", list(layers) == sorted(set(layers))
+                 and all(1 <= i < self.encoder_layers for i in layers),
+                 f"must be ascending encoder layers in [1, {self.encoder_layers - 1}]")
+        _require(self, "interctc_layers", bool(layers) == (self.interctc_weight > 0),
+                 "must be given exactly when interctc_weight > 0")
         _require(self, "encoder", self.encoder in ENCODERS, f"must be one of {', '.join(map(repr, ENCODERS))}")
         _require(self, "decoder_ffn_dim", self.decoder_ffn_dim >= 0, "must be 0 (= ffn_dim) or positive")
         odd = self.conv_kernel > 0 and self.conv_kernel % 2 == 1
@@ -104,7 +114,8 @@ class ModelOutput(NamedTuple):
 
     loss: torch.Tensor  # () ctc_weight * ctc_loss + (1 - ctc_weight) * att_loss
     att_loss: torch.Tensor  # () label-smoothed cross-entropy summed over target tokens / num_tokens normalizer
-    ctc_loss: torch.Tensor  # () CTC summed over (feasible) utterances / num_utts normalizer
+    ctc_loss: torch.Tensor  # () CTC summed over (feasible) utterances / num_utts normalizer (with intermediate
+    # CTC: the weighted sum of the final and intermediate layers', ModelConfig.interctc_weight)
     accuracy: torch.Tensor  # () fraction of this batch's target tokens the teacher-forced argmax gets right
     num_tokens: torch.Tensor  # () long, target tokens in this batch, one eos per utterance included
     num_utts: torch.Tensor  # () long, utterances in this batch
@@ -240,9 +251,13 @@ class ASRModel(nn.Module):
         """
         lens = (feat_lens, token_lens)  # where the caller has them: on the host, CTC reads them there
         feat_lens, token_lens = (x.to(feats.device, non_blocking=True) for x in lens)
-        h, h_lens = self.encoder(feats, feat_lens)
-        ctc_sum, skipped = self._ctc_sum(h, h_lens, tokens, token_lens,
-                                         ctc_lens=(self.encoder.subsampling.output_lengths(lens[0]), lens[1]))
+        h, h_lens, inter = self.encoder.forward_intermediate(feats, feat_lens, self.config.interctc_layers)
+        ctc_lens = (self.encoder.subsampling.output_lengths(lens[0]), lens[1])
+        ctc_sum, skipped = self._ctc_sum(h, h_lens, tokens, token_lens, ctc_lens)
+        if inter:
+            w = self.config.interctc_weight
+            inter_sum = sum(self._ctc_sum(x, h_lens, tokens, token_lens, ctc_lens)[0] for x in inter)
+            ctc_sum = (1.0 - w) * ctc_sum + w * inter_sum / len(inter)
         att_sum, correct, count = self._attention_sum(h, h_lens, tokens, token_lens)
         num_tokens = count if num_tokens is None else num_tokens
         num_utts = token_lens.new_tensor(tokens.size(0)) if num_utts is None else num_utts

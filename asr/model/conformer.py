@@ -206,10 +206,20 @@ class ConformerEncoder(nn.Module):
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, h_lens, _ = self.forward_intermediate(feats, feat_lens, ())
+        return h, h_lens
+
+    def forward_intermediate(self, feats: torch.Tensor, feat_lens: torch.Tensor,
+                             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """`forward`, and the outputs of `layers` (1-based, ascending) through the final LayerNorm,
+        each (B, T', d) (intermediate CTC, ModelConfig.interctc_layers)."""
         x, x_lens, positions, mask = self._inputs(feats, feat_lens)
-        for layer in self.layers:
+        kept = []
+        for i, layer in enumerate(self.layers, 1):
             x = layer(x, positions, mask)
-        return self.norm(x), x_lens
+            if i in layers:
+                kept.append(self.norm(x))
+        return self.norm(x), x_lens, kept
 
     def _inputs(self, feats: torch.Tensor,
                 feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
