@@ -151,9 +151,10 @@ def test_pre_ln_order_and_final_norms(part):
     feats, feat_lens = random_feats(model)
     stack = model.encoder
     (x0, *rest), last = layers_io(stack, lambda: stack(feats, feat_lens))
-    positions, mask = rest if len(rest) == 2 else (None, rest[0])  # the conformer's relative encodings
+    *extra, mask, valid = rest  # extra: the conformer's relative encodings
+    positions = extra[0] if extra else None
     x = residual_stream(x0.shape)
-    args = (x, mask) if positions is None else (x, positions, mask)
+    args = (x, *extra, mask, valid)
     for layer in stack.layers:
         torch.testing.assert_close(layer(*args), encoder_layer_reference(layer, x, mask, positions),
                                    atol=1e-12, rtol=0)
@@ -301,7 +302,7 @@ def test_embedding_scale_and_sinusoids_match_the_formula():
 
     conformer = model_of("conformer")
     subsampled, _ = conformer.encoder.subsampling(feats, feat_lens)
-    (x, relative, _), _ = layers_io(conformer.encoder, lambda: conformer.encoder(feats, feat_lens))
+    (x, relative, *_), _ = layers_io(conformer.encoder, lambda: conformer.encoder(feats, feat_lens))
     t = subsampled.size(1)
     torch.testing.assert_close(x, subsampled * math.sqrt(d), atol=1e-12, rtol=0)
     torch.testing.assert_close(relative, formula_positions(list(range(t - 1, -t, -1)), d), atol=1e-6, rtol=0)

@@ -49,6 +49,11 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on attention weights
     conv_kernel: int = 0  # the conformer's convolution kernel (odd, > 0; ESPnet: 31); a transformer with
     # conv_kernel > 0 gets a convolution block of this kernel in every layer
+    causal_conv: bool = False  # the encoder's convolutions see no future frame (streaming models)
+    dynamic_chunk: bool = False  # training draws a chunk size per batch (U2's dynamic chunk training):
+    # full context with probability 1/2, else uniform in [1, max_chunk] encoder frames, so that one
+    # model serves any chunk size at decoding time (StreamingEncoder)
+    max_chunk: int = 25  # the largest chunk dynamic_chunk draws
     ctc_weight: float = 0.3  # loss = ctc_weight * CTC + (1 - ctc_weight) * attention
     interctc_weight: float = 0.0  # intermediate CTC (Lee and Watanabe, 2021): CTC = (1 - w) * the final
     # layer's + w * the mean over interctc_layers of the CTC head on those layers' outputs
@@ -74,6 +79,7 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "lsm_weight"):
             _require(self, name, 0.0 <= getattr(self, name) < 1.0, "must be in [0, 1)")
         _require(self, "ctc_weight", 0.0 <= self.ctc_weight <= 1.0, "must be in [0, 1]")
+        _require(self, "max_chunk", self.max_chunk >= 1, "must be >= 1")
         _require(self, "interctc_weight", 0.0 <= self.interctc_weight < 1.0, "must be in [0, 1)")
         layers = self.interctc_layers
         _require(self, "interctc_layers", list(layers) == sorted(set(layers))
@@ -174,6 +180,7 @@ class ASRModel(nn.Module):
             n_mels=config.n_mels, d_model=config.d_model, n_heads=config.n_heads, ffn_dim=config.ffn_dim,
             n_layers=config.encoder_layers, conv_channels=config.conv_channels, subsampling=config.subsampling,
             dropout=config.dropout, attention_dropout=config.attention_dropout, conv_kernel=config.conv_kernel,
+            causal_conv=config.causal_conv,
         )
         self.decoder = TransformerDecoder(
             vocab_size=config.vocab_size, d_model=config.d_model, n_heads=config.n_heads,
@@ -251,7 +258,8 @@ class ASRModel(nn.Module):
         """
         lens = (feat_lens, token_lens)  # where the caller has them: on the host, CTC reads them there
         feat_lens, token_lens = (x.to(feats.device, non_blocking=True) for x in lens)
-        h, h_lens, inter = self.encoder.forward_intermediate(feats, feat_lens, self.config.interctc_layers)
+        h, h_lens, inter = self.encoder.forward_intermediate(feats, feat_lens, self.config.interctc_layers,
+                                                             chunk_size=self._training_chunk())
         ctc_lens = (self.encoder.subsampling.output_lengths(lens[0]), lens[1])
         ctc_sum, skipped = self._ctc_sum(h, h_lens, tokens, token_lens, ctc_lens)
         if inter:
@@ -266,6 +274,13 @@ class ASRModel(nn.Module):
         loss = weight * ctc_loss + (1.0 - weight) * att_loss
         return ModelOutput(loss, att_loss, ctc_loss, correct / count.clamp(min=1), count,
                            token_lens.new_tensor(tokens.size(0)), skipped)
+
+    def _training_chunk(self) -> int:
+        """This batch's chunk size (0: full context): drawn from torch's generator in training with
+        `dynamic_chunk`, else 0."""
+        if not (self.training and self.config.dynamic_chunk) or torch.rand(()) < 0.5:
+            return 0
+        return int(torch.randint(1, self.config.max_chunk + 1, ()))
 
     def _ctc_sum(self, h: torch.Tensor, h_lens: torch.Tensor, tokens: torch.Tensor, token_lens: torch.Tensor,
                  ctc_lens: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,6 +64,16 @@ def key_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return (positions < lengths.clamp(min=1)[:, None])[:, None, None, :]
 
 
+def chunk_mask(length: int, chunk: int, left_chunks: int = -1, device: torch.device | None = None) -> torch.Tensor:
+    """(1, 1, T, T) bool for streaming: frame i may attend to frame j when j's chunk (of `chunk`
+    frames, from frame 0) is i's or one of the `left_chunks` before it (all before: < 0)."""
+    index = torch.arange(length, device=device) // chunk  # (T,) chunk of each frame
+    allowed = index[None, :] <= index[:, None]
+    if left_chunks >= 0:
+        allowed &= index[None, :] >= index[:, None] - left_chunks
+    return allowed[None, None]
+
+
 IN_PARTS = ("qkv", "q", "kv")  # the parts of the packed in-projection the attention uses (MultiHeadAttention.in_rows)
 
 

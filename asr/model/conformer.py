@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from asr.model.attention import MultiHeadAttention, key_mask, sdpa
-from asr.model.encoder import ConvModule, EncoderAttention, FeedForward, sinusoidal_positions
+from asr.model.encoder import ConvModule, FeedForward, LayerCache, StreamingEncoder, sinusoidal_positions
 from asr.model.subsampling import Conv2dSubsampling
 
 __all__ = ["ConformerEncoder", "ConformerLayer", "RelPositionAttention", "rel_shift", "relative_encodings"]
@@ -70,16 +70,18 @@ def relative_encodings(length: int, d_model: int, device: torch.device | None = 
 
 
 def rel_shift(scores: torch.Tensor) -> torch.Tensor:
-    """(..., T, 2T - 1) scores against relative positions T - 1 ... -(T - 1) -> (..., T, T) scores
-    against keys: out[..., i, j] = scores[..., i, T - 1 - i + j], the entry of position i - j.
+    """(..., Tq, Tk + Tq - 1) scores against relative positions Tk - 1 ... -(Tq - 1) -> (..., Tq, Tk)
+    scores against keys, the queries being the last Tq of the Tk keys (Tq = Tk: self-attention over
+    a whole utterance; Tq < Tk: a chunk over its left context and itself): out[..., i, j] =
+    scores[..., i, Tq - 1 - i + j], the entry of position (Tk - Tq) + i - j.
 
-    A view, no copy: in a contiguous row-major tensor that entry sits at (T - 1) + i (2T - 2) + j,
-    a stride of 2T - 2 between query rows and 1 between keys, from offset T - 1."""
+    A view, no copy: in a contiguous row-major tensor of width W = Tk + Tq - 1 that entry sits at
+    (Tq - 1) + i (W - 1) + j, a stride of W - 1 between query rows and 1 between keys."""
     scores = scores.contiguous()
     *lead, t, width = scores.shape
-    if width != 2 * t - 1:
-        raise ValueError(f"rel_shift needs (..., T, 2T - 1) scores, got {tuple(scores.shape)}")
-    size = (*lead, t, t)
+    if width < t:
+        raise ValueError(f"rel_shift needs (..., Tq, Tk + Tq - 1) scores with Tk >= 1, got {tuple(scores.shape)}")
+    size = (*lead, t, width - t + 1)
     stride = (*scores.stride()[:-2], width - 1, 1)
     return scores.as_strided(size, stride, scores.storage_offset() + t - 1)
 
@@ -105,7 +107,8 @@ class RelPositionAttention(MultiHeadAttention):
 
     def position_bias(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """((q + v) . P(i - j)) / sqrt(dh) as (B, H, T, T), for queries q (B, H, T, dh) and the
-        encodings (2T - 1, d) of `relative_encodings`."""
+        encodings (2T - 1, d) of `relative_encodings` (or (B, H, Tq, Tk) for a chunk's queries over
+        Tk keys, the encodings of positions Tk - 1 ... -(Tq - 1): `forward_chunk`)."""
         p = self._heads(self.pos_proj(positions)[None])  # (1, H, 2T - 1, dh)
         scale = q.size(-1) ** -0.5
         qv = (q + self.pos_bias_v.to(q.dtype)[:, None]) * scale  # (B, H, T, dh)
@@ -119,6 +122,20 @@ class RelPositionAttention(MultiHeadAttention):
         p = self.dropout if self.training else 0.0
         y = sdpa(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, bias, dropout_p=p)  # (B, H, T, dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, self.d_model))
+
+    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk x (B, C, d) attending to itself and to the L frames whose keys and values are in
+        `cache` (B, L, 2, H, dh), relative positions as `forward`'s: (B, C, d), and the keys and
+        values of the L + C frames."""
+        b, c, _ = x.shape
+        q, kv = self.q_kv(x)  # (B, H, C, dh), (B, C, 2, H, dh)
+        kv = torch.cat([cache, kv], dim=1)
+        keys = kv.size(1)
+        positions = sinusoidal_positions(torch.arange(keys - 1, -c, -1, device=x.device), self.d_model).to(x.dtype)
+        bias = self.position_bias(q, positions)  # (B, H, C, L + C)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        y = sdpa(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, bias)  # (B, H, C, dh)
+        return self.out_proj(y.transpose(1, 2).reshape(b, c, self.d_model)), kv
 
     def forward_with_weights(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,47 +152,63 @@ class ConformerLayer(nn.Module):
     FFN, each pre-LayerNorm with a residual, then a LayerNorm."""
 
     def __init__(self, *, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float,
-                 conv_kernel: int) -> None:
+                 conv_kernel: int, causal_conv: bool = False) -> None:
         super().__init__()
         self.norm_ffn_macaron = nn.LayerNorm(d_model)
         self.ffn_macaron = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout, activation=nn.SiLU)
         self.norm_attn = nn.LayerNorm(d_model)
         self.self_attn = RelPositionAttention(d_model=d_model, n_heads=n_heads, dropout=attention_dropout)
         self.norm_conv = nn.LayerNorm(d_model)
-        self.conv = ConvModule(d_model=d_model, kernel=conv_kernel)
+        self.conv = ConvModule(d_model=d_model, kernel=conv_kernel, causal=causal_conv)
         self.norm_ffn = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout, activation=nn.SiLU)
         self.norm_out = nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d), positions (2T - 1, d), mask (B, 1, 1, T) True on valid frames -> (B, T, d)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d), positions (2T - 1, d), mask (B, 1, 1, T) True on valid frames (or (B, 1, T, T)
+        with chunks), valid (B, T) -> (B, T, d)."""
         x = x + 0.5 * self.dropout(self.ffn_macaron(self.norm_ffn_macaron(x)))
         x = x + self.dropout(self.self_attn(self.norm_attn(x), positions, mask))
-        return self._after_attention(x, mask)
+        return self._after_attention(x, valid)
 
-    def _after_attention(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _after_attention(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The blocks after self-attention: the convolution, the second half-step FFN, the closing norm."""
-        x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
+        x = x + self.dropout(self.conv(self.norm_conv(x), valid))
         x = x + 0.5 * self.dropout(self.ffn(self.norm_ffn(x)))
         return self.norm_out(x)
 
-    def forward_with_attention(self, x: torch.Tensor, positions: torch.Tensor,
-                               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_attention(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with the self-attention on the explicit path (RelPositionAttention.forward_with_weights):
         (B, T, d), the same to rounding, and the weights (B, H, T, T)."""
         x = x + 0.5 * self.dropout(self.ffn_macaron(self.norm_ffn_macaron(x)))
         y, weights = self.self_attn.forward_with_weights(self.norm_attn(x), positions, mask)
-        return self._after_attention(x + self.dropout(y), mask), weights
+        return self._after_attention(x + self.dropout(y), valid), weights
+
+    def forward_chunk(self, x: torch.Tensor, cache: LayerCache, left: int,
+                      position: int) -> tuple[torch.Tensor, LayerCache]:
+        """The next chunk x (B, C, d) (eval mode), attending to itself and the frames in `cache`
+        (relative positions need no `position`): (B, C, d) and the cache for the next chunk (its
+        last `left` frames' keys and values, all when left < 0; the convolution's last inputs)."""
+        x = x + 0.5 * self.ffn_macaron(self.norm_ffn_macaron(x))
+        y, kv = self.self_attn.forward_chunk(self.norm_attn(x), cache.kv)
+        x = x + y
+        y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv)
+        x = x + y
+        x = x + 0.5 * self.ffn(self.norm_ffn(x))
+        return self.norm_out(x), LayerCache(kv if left < 0 else kv[:, max(kv.size(1) - left, 0):], conv)
 
 
-class ConformerEncoder(nn.Module):
+class ConformerEncoder(StreamingEncoder):
     """(feats (B, T, n_mels), feat_lens (B,)) -> (h (B, T', d_model), h_lens (B,)).
 
     The constructor takes TransformerEncoder's arguments; `conv_kernel` (odd, > 0; ESPnet's
     LibriSpeech recipes use 31) is the depthwise kernel of every block's convolution. Frames of h
     at or beyond h_lens[b] are padding with unspecified values; valid frames do not depend on them
-    (an utterance gives the same h alone and inside a padded batch, in training mode too).
+    (an utterance gives the same h alone and inside a padded batch, in training mode too). Chunked
+    attention and chunk-by-chunk encoding: StreamingEncoder (with `causal_conv`).
     """
 
     def __init__(
@@ -191,6 +224,7 @@ class ConformerEncoder(nn.Module):
         dropout: float,
         attention_dropout: float,
         conv_kernel: int,
+        causal_conv: bool = False,
     ) -> None:
         super().__init__()
         if conv_kernel <= 0 or conv_kernel % 2 == 0:
@@ -200,44 +234,20 @@ class ConformerEncoder(nn.Module):
         self.dropout = nn.Dropout(dropout)  # ESPnet's positional dropout (= dropout in its recipes)
         self.layers = nn.ModuleList(
             ConformerLayer(d_model=d_model, n_heads=n_heads, ffn_dim=ffn_dim, dropout=dropout,
-                           attention_dropout=attention_dropout, conv_kernel=conv_kernel)
+                           attention_dropout=attention_dropout, conv_kernel=conv_kernel, causal_conv=causal_conv)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
 
-    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, h_lens, _ = self.forward_intermediate(feats, feat_lens, ())
-        return h, h_lens
-
-    def forward_intermediate(self, feats: torch.Tensor, feat_lens: torch.Tensor,
-                             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """`forward`, and the outputs of `layers` (1-based, ascending) through the final LayerNorm,
-        each (B, T', d) (intermediate CTC, ModelConfig.interctc_layers)."""
-        x, x_lens, positions, mask = self._inputs(feats, feat_lens)
-        kept = []
-        for i, layer in enumerate(self.layers, 1):
-            x = layer(x, positions, mask)
-            if i in layers:
-                kept.append(self.norm(x))
-        return self.norm(x), x_lens, kept
-
     def _inputs(self, feats: torch.Tensor,
-                feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first layer's input (B, T', d), its lengths (B,), the relative encodings (2T' - 1, d)
-        and the key mask (B, 1, 1, T')."""
+                feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The first layer's input (B, T', d), its lengths (B,), the key mask (B, 1, 1, T') and
+        the relative encodings (2T' - 1, d)."""
         x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
         t = x.size(1)
         positions = self.dropout(relative_encodings(t, self.d_model, x.device).to(x.dtype))  # (2T' - 1, d)
         x = self.dropout(x * math.sqrt(self.d_model))
-        return x, x_lens, positions, key_mask(x_lens, t)
+        return x, x_lens, key_mask(x_lens, t), (positions,)
 
-    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
-        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
-        head (relative positions included), from the explicit attention path: for attention pictures,
-        never for training or search."""
-        x, x_lens, positions, mask = self._inputs(feats, feat_lens)
-        weights = []
-        for layer in self.layers:
-            x, layer_weights = layer.forward_with_attention(x, positions, mask)  # (B, T', d), (B, H, T', T')
-            weights.append(layer_weights)
-        return EncoderAttention(self.norm(x), x_lens, torch.stack(weights))
+    def _embed(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        return x * math.sqrt(self.d_model)

@@ -13,8 +13,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asr.model.attention import MultiHeadAttention, key_mask
-from asr.model.subsampling import Conv2dSubsampling
+from asr.model.attention import MultiHeadAttention, chunk_mask, key_mask
+from asr.model.subsampling import Conv2dSubsampling, conv_output_length
+
+
+class LayerCache(NamedTuple):
+    """What a streaming encoder layer keeps between chunks (`forward_chunk`)."""
+
+    kv: torch.Tensor  # (B, L, 2, H, dh): the keys and values of the frames the next chunk attends to
+    conv: torch.Tensor  # (B, k - 1, d): the causal convolution's last inputs ((B, 0, d) without one)
+
+
+class EncoderState(NamedTuple):
+    """A streaming encoder's state between calls of `forward_chunk` (`init_state` makes the first)."""
+
+    feats: torch.Tensor  # (B, F, n_mels): feature frames the subsampling has not consumed yet
+    pending: torch.Tensor  # (B, P, d): subsampled, embedded frames waiting for their chunk to fill
+    offset: int  # subsampled frames made so far (their positions)
+    layers: tuple[LayerCache, ...]
+
+
+def _keep_last(x: torch.Tensor, frames: int) -> torch.Tensor:
+    """x (B, T, ...) cut to its last `frames` frames along dim 1 (all when frames < 0)."""
+    return x if frames < 0 else x[:, max(x.size(1) - frames, 0):]
 
 
 class EncoderAttention(NamedTuple):
@@ -65,22 +86,35 @@ class ConvModule(nn.Module):
     padding the batch has (and eval mode uses running averages of those batch statistics).
     LayerNorm normalizes each frame by itself: the same output alone and inside any batch, in
     training and in evaluation. Same parameter count as BatchNorm (a scale and a shift per channel).
-    The depthwise kernel keeps torch's default initialization (kaiming-uniform over its k taps)."""
+    The depthwise kernel keeps torch's default initialization (kaiming-uniform over its k taps).
 
-    def __init__(self, *, d_model: int, kernel: int) -> None:
+    `causal` (ModelConfig.causal_conv, for streaming): the window is the frame and the k - 1 before
+    it (zeros before the first), so no frame sees the future; `forward_chunk` then runs it chunk by
+    chunk with the last k - 1 inputs as its cache. The weights are the same either way."""
+
+    def __init__(self, *, d_model: int, kernel: int, causal: bool = False) -> None:
         super().__init__()
         if kernel % 2 == 0:
             raise ValueError(f"model.conv_kernel = {kernel} must be odd (a centred window)")
+        self.kernel, self.causal = kernel, causal
         self.pointwise_in = nn.Linear(d_model, 2 * d_model)
-        self.depthwise = nn.Conv1d(d_model, d_model, kernel, padding=kernel // 2, groups=d_model)
+        self.depthwise = nn.Conv1d(d_model, d_model, kernel, padding=0 if causal else kernel // 2, groups=d_model)
         self.norm = nn.LayerNorm(d_model)
         self.pointwise_out = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """x (B, T, d), valid (B, T) bool -> (B, T, d)."""
-        x = F.glu(self.pointwise_in(x), dim=-1).masked_fill(~valid[..., None], 0.0)
-        x = self.depthwise(x.transpose(1, 2)).transpose(1, 2)
-        return self.pointwise_out(F.silu(self.norm(x)))
+        x = F.glu(self.pointwise_in(x), dim=-1).masked_fill(~valid[..., None], 0.0).transpose(1, 2)  # (B, d, T)
+        if self.causal:
+            x = F.pad(x, (self.kernel - 1, 0))
+        return self.pointwise_out(F.silu(self.norm(self.depthwise(x).transpose(1, 2))))
+
+    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A causal module on the next C frames x (B, C, d), all valid, after the k - 1 inputs of the
+        depthwise conv in `cache` (B, k - 1, d) (zeros at the start): (B, C, d) and the new cache."""
+        x = torch.cat([cache, F.glu(self.pointwise_in(x), dim=-1)], dim=1)  # (B, k - 1 + C, d)
+        y = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, C, d)
+        return self.pointwise_out(F.silu(self.norm(y))), x[:, x.size(1) - cache.size(1):]
 
 
 class EncoderLayer(nn.Module):
@@ -88,40 +122,161 @@ class EncoderLayer(nn.Module):
     then x + drop(ffn(LN(x)))."""
 
     def __init__(self, *, d_model: int, n_heads: int, ffn_dim: int, dropout: float, attention_dropout: float,
-                 conv_kernel: int = 0) -> None:
+                 conv_kernel: int = 0, causal_conv: bool = False) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(d_model=d_model, n_heads=n_heads, dropout=attention_dropout)
         if conv_kernel > 0:
             self.norm_conv = nn.LayerNorm(d_model)
-            self.conv = ConvModule(d_model=d_model, kernel=conv_kernel)
+            self.conv = ConvModule(d_model=d_model, kernel=conv_kernel, causal=causal_conv)
         self.norm2 = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
         self.dropout = nn.Dropout(dropout)
         self.conv_kernel = conv_kernel
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d), mask (B, 1, 1, T) True on valid frames -> (B, T, d)."""
-        return self._after_attention(x + self.dropout(self.self_attn(self.norm1(x), mask=mask)), mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d), mask (B, 1, 1, T) True on valid frames (or (B, 1, T, T) with chunks),
+        valid (B, T) -> (B, T, d)."""
+        return self._after_attention(x + self.dropout(self.self_attn(self.norm1(x), mask=mask)), valid)
 
-    def _after_attention(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _after_attention(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The blocks after self-attention: the convolution (when there is one), the feed-forward."""
         if self.conv_kernel > 0:
-            x = x + self.dropout(self.conv(self.norm_conv(x), mask[:, 0, 0, :]))
+            x = x + self.dropout(self.conv(self.norm_conv(x), valid))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
-    def forward_with_attention(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_attention(self, x: torch.Tensor, mask: torch.Tensor,
+                               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with the self-attention on the explicit path (MultiHeadAttention.forward_with_weights):
         (B, T, d), the same to rounding, and the weights (B, H, T, T)."""
         y, weights = self.self_attn.forward_with_weights(self.norm1(x), mask=mask)
-        return self._after_attention(x + self.dropout(y), mask), weights
+        return self._after_attention(x + self.dropout(y), valid), weights
+
+    def forward_chunk(self, x: torch.Tensor, cache: LayerCache, left: int,
+                      position: int) -> tuple[torch.Tensor, LayerCache]:
+        """The next chunk x (B, C, d) (eval mode; `position`: of its first frame, which the input's
+        absolute positions already hold), attending to itself and the frames in `cache`: (B, C, d)
+        and the cache for the next chunk (its last `left` frames' keys and values; all when
+        left < 0)."""
+        q, kv = self.self_attn.q_kv(self.norm1(x))  # (B, H, C, dh), (B, C, 2, H, dh)
+        kv = torch.cat([cache.kv, kv], dim=1)  # (B, L + C, 2, H, dh)
+        x = x + self.self_attn.attend(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
+        conv = cache.conv
+        if self.conv_kernel > 0:
+            y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv)
+            x = x + y
+        return x + self.ffn(self.norm2(x)), LayerCache(_keep_last(kv, left), conv)
 
 
-class TransformerEncoder(nn.Module):
+class StreamingEncoder(nn.Module):
+    """What the transformer and conformer encoders share: chunked attention and chunk-by-chunk
+    encoding (dynamic chunk training, U2 style; streaming recognition).
+
+    `forward(feats, feat_lens, chunk_size=C, left_chunks=L)`: every frame attends to the frames of
+    its chunk of C (from frame 0) and of the L chunks before (all before: L < 0); C = 0 is full
+    context. `forward_chunk` gives the same output (to rounding) from features that arrive in
+    pieces of any size, for a model whose convolutions are causal (ModelConfig.causal_conv): a
+    chunk is encoded once its C frames are there (or at the end, `final`). The latency of a chunk:
+    C encoder frames (C x subsampling feature frames) plus the subsampling's right context
+    (`right_context`: 6 feature frames at 4x)."""
+
+    d_model: int
+    subsampling: Conv2dSubsampling
+    layers: nn.ModuleList
+    norm: nn.LayerNorm
+
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, *, chunk_size: int = 0,
+                left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        h, h_lens, _ = self.forward_intermediate(feats, feat_lens, (), chunk_size=chunk_size, left_chunks=left_chunks)
+        return h, h_lens
+
+    def forward_intermediate(self, feats: torch.Tensor, feat_lens: torch.Tensor, layers: tuple[int, ...], *,
+                             chunk_size: int = 0,
+                             left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """`forward`, and the outputs of `layers` (1-based, ascending) through the final LayerNorm,
+        each (B, T', d) (intermediate CTC, ModelConfig.interctc_layers)."""
+        x, x_lens, mask, extra = self._inputs(feats, feat_lens)
+        valid = mask[:, 0, 0, :]  # (B, T')
+        if chunk_size > 0:
+            mask = mask & chunk_mask(x.size(1), chunk_size, left_chunks, x.device)  # (B, 1, T', T')
+        kept = []
+        for i, layer in enumerate(self.layers, 1):
+            x = layer(x, *extra, mask, valid)
+            if i in layers:
+                kept.append(self.norm(x))
+        return self.norm(x), x_lens, kept
+
+    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
+        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
+        head, from the explicit attention path: for attention pictures, never for training or search."""
+        x, x_lens, mask, extra = self._inputs(feats, feat_lens)
+        weights = []
+        for layer in self.layers:
+            x, layer_weights = layer.forward_with_attention(x, *extra, mask, mask[:, 0, 0, :])
+            weights.append(layer_weights)  # (B, H, T', T')
+        return EncoderAttention(self.norm(x), x_lens, torch.stack(weights))
+
+    def _inputs(self, feats: torch.Tensor,
+                feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The first layer's input (B, T', d), its lengths (B,), the key mask (B, 1, 1, T') and
+        what else every layer takes before the masks (the conformer's relative encodings)."""
+        raise NotImplementedError
+
+    def _embed(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        """Subsampled frames (B, n, d) from position `offset` on as the first layer takes them (eval)."""
+        raise NotImplementedError
+
+    def init_state(self, batch: int = 1, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> EncoderState:
+        """The state before the first chunk of `batch` streams (that advance together)."""
+        attention = self.layers[0].self_attn
+        heads, d = attention.n_heads, self.d_model
+        conv = self.layers[0].conv.kernel - 1 if hasattr(self.layers[0], "conv") else 0
+        layers = tuple(LayerCache(torch.zeros(batch, 0, 2, heads, d // heads, device=device, dtype=dtype),
+                                  torch.zeros(batch, conv, d, device=device, dtype=dtype)) for _ in self.layers)
+        n_mels = self.subsampling.n_mels
+        return EncoderState(torch.zeros(batch, 0, n_mels, device=device, dtype=dtype),
+                            torch.zeros(batch, 0, d, device=device, dtype=dtype), 0, layers)
+
+    def forward_chunk(self, feats: torch.Tensor, state: EncoderState, *, chunk_size: int, left_chunks: int = -1,
+                      final: bool = False) -> tuple[torch.Tensor, EncoderState]:
+        """The encoder output (B, n, d) of the chunks that features feats (B, F, n_mels) complete
+        (with `final`, the last partial chunk too), and the next state: `forward` under the same
+        chunk_size and left_chunks, on the frames so far. Eval mode, causal convolutions."""
+        if self.training:
+            raise ValueError("forward_chunk runs in eval mode (no dropout)")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 for chunk-by-chunk encoding, got {chunk_size}")
+        if any(getattr(getattr(layer, "conv", None), "causal", True) is False for layer in self.layers):
+            raise ValueError("chunk-by-chunk encoding needs causal convolutions (a model built with "
+                             "model.causal_conv: true)")
+        buffer = torch.cat([state.feats, feats], dim=1)
+        pending, offset, layers = state.pending, state.offset, state.layers
+        made = conv_output_length(buffer.size(1), self.subsampling.rate)
+        if made > 0:
+            pending = torch.cat([pending, self._embed(self.subsampling.frames(buffer), offset)], dim=1)
+            buffer, offset = buffer[:, made * self.subsampling.rate:], offset + made
+        left = left_chunks * chunk_size if left_chunks >= 0 else -1
+        out = []
+        while pending.size(1) >= chunk_size or (final and pending.size(1) > 0):
+            x, pending = pending[:, :chunk_size], pending[:, chunk_size:]
+            position = offset - pending.size(1) - x.size(1)  # of the chunk's first frame
+            new = []
+            for layer, cache in zip(self.layers, layers):
+                x, cache = layer.forward_chunk(x, cache, left, position)
+                new.append(cache)
+            layers = tuple(new)
+            out.append(self.norm(x))
+        h = torch.cat(out, dim=1) if out else pending.new_zeros(pending.size(0), 0, self.d_model)
+        return h, EncoderState(buffer, pending, offset, layers)
+
+
+class TransformerEncoder(StreamingEncoder):
     """(feats (B, T, n_mels), feat_lens (B,)) -> (h (B, T', d_model), h_lens (B,)).
 
     Frames of h at or beyond h_lens[b] are padding with unspecified values; valid frames do not
-    depend on them (an utterance gives the same h alone and inside a padded batch).
+    depend on them (an utterance gives the same h alone and inside a padded batch). Chunked
+    attention and chunk-by-chunk encoding: StreamingEncoder.
     """
 
     def __init__(
@@ -137,6 +292,7 @@ class TransformerEncoder(nn.Module):
         dropout: float,
         attention_dropout: float,
         conv_kernel: int = 0,
+        causal_conv: bool = False,
     ) -> None:
         super().__init__()
         self.d_model = d_model
@@ -144,40 +300,18 @@ class TransformerEncoder(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
             EncoderLayer(d_model=d_model, n_heads=n_heads, ffn_dim=ffn_dim, dropout=dropout,
-                         attention_dropout=attention_dropout, conv_kernel=conv_kernel)
+                         attention_dropout=attention_dropout, conv_kernel=conv_kernel, causal_conv=causal_conv)
             for _ in range(n_layers)
         )
         self.norm = nn.LayerNorm(d_model)
 
-    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, h_lens, _ = self.forward_intermediate(feats, feat_lens, ())
-        return h, h_lens
-
-    def forward_intermediate(self, feats: torch.Tensor, feat_lens: torch.Tensor,
-                             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """`forward`, and the outputs of `layers` (1-based, ascending) through the final LayerNorm,
-        each (B, T', d) (intermediate CTC, ModelConfig.interctc_layers)."""
-        x, x_lens, mask = self._inputs(feats, feat_lens)
-        kept = []
-        for i, layer in enumerate(self.layers, 1):
-            x = layer(x, mask)
-            if i in layers:
-                kept.append(self.norm(x))
-        return self.norm(x), x_lens, kept
-
-    def _inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first layer's input (B, T', d), its lengths (B,) and key mask (B, 1, 1, T')."""
+    def _inputs(self, feats: torch.Tensor,
+                feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         x, x_lens = self.subsampling(feats, feat_lens)  # (B, T', d), (B,)
         positions = sinusoidal_positions(torch.arange(x.size(1), device=x.device), self.d_model)
         x = self.dropout(x * math.sqrt(self.d_model) + positions)
-        return x, x_lens, key_mask(x_lens, x.size(1))
+        return x, x_lens, key_mask(x_lens, x.size(1)), ()
 
-    def forward_with_attention(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> EncoderAttention:
-        """`forward` (the same output, to rounding) and the self-attention weights of every layer and
-        head, from the explicit attention path: for attention pictures, never for training or search."""
-        x, x_lens, mask = self._inputs(feats, feat_lens)
-        weights = []
-        for layer in self.layers:
-            x, layer_weights = layer.forward_with_attention(x, mask)  # (B, T', d), (B, H, T', T')
-            weights.append(layer_weights)
-        return EncoderAttention(self.norm(x), x_lens, torch.stack(weights))
+    def _embed(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        positions = sinusoidal_positions(torch.arange(offset, offset + x.size(1), device=x.device), self.d_model)
+        return x * math.sqrt(self.d_model) + positions

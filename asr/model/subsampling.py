@@ -59,7 +59,7 @@ class Conv2dSubsampling(nn.Module):
         for kernel, stride in LAYERS[rate]:
             layers += [nn.Conv2d(in_channels, channels, kernel, stride), nn.ReLU()]
             in_channels = channels
-        self.rate = rate
+        self.rate, self.n_mels = rate, n_mels
         self.receptive_field = right_context(rate) + 1
         self.conv = nn.Sequential(*layers)
         self.out = nn.Linear(channels * freq, d_model)
@@ -72,7 +72,11 @@ class Conv2dSubsampling(nn.Module):
         short = self.receptive_field - feats.size(1)
         if short > 0:
             feats = F.pad(feats, (0, 0, 0, short))
+        return self.frames(feats), self.output_lengths(feat_lens)
+
+    def frames(self, feats: torch.Tensor) -> torch.Tensor:
+        """The output frames (B, conv_output_length(T), d_model) of feats (B, T, n_mels), T at least
+        the receptive field; frame i from input frames rate * i .. rate * i + right_context."""
         x = self.conv(feats.unsqueeze(1))  # (B, C, T', F')
         b, c, t, f = x.shape
-        x = self.out(x.transpose(1, 2).reshape(b, t, c * f))  # (B, T', d_model)
-        return x, self.output_lengths(feat_lens)
+        return self.out(x.transpose(1, 2).reshape(b, t, c * f))  # (B, T', d_model)
