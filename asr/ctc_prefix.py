@@ -194,6 +194,48 @@ def prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, *, beam: 
     return PrefixBeams(tokens, beams.lens.gather(1, pick), order.values)
 
 
+class StreamingPrefixSearch:
+    """`prefix_beam_search` over frames that arrive in pieces, without a length cap: after any
+    frames, `prefixes()` is what prefix_beam_search returns on all of them so far (the same beams,
+    frame by frame). For B streams that advance together (every frame valid for all of them).
+
+        search = StreamingPrefixSearch(batch=1, beam=10, like=log_probs)
+        search.feed(log_probs)                 # (B, t, V), eos already -inf
+        best = search.prefixes().tokens[:, 0]  # a partial result
+    """
+
+    def __init__(self, *, batch: int, beam: int, like: torch.Tensor, blank: int = 0) -> None:
+        self.beam, self.blank = beam, blank
+        self._beams = _Beams.make(batch, beam, 1, like)
+        self._no_cap = torch.full((batch,), torch.iinfo(torch.long).max, dtype=torch.long, device=like.device)
+        self.frames = 0  # fed so far
+        self.trailing_blanks = torch.zeros(batch, dtype=torch.long, device=like.device)  # (B,) frames since the
+        # last one whose most probable token was not blank (endpointing)
+
+    def feed(self, log_probs: torch.Tensor) -> None:
+        """The next frames' log-probabilities (B, t, V)."""
+        x = log_probs.transpose(0, 1)  # (t, B, V)
+        k = min(self.beam, x.size(2) - 1)
+        tried = x.index_fill(2, torch.tensor([self.blank], device=x.device), float("-inf")).topk(k, dim=2)
+        beams = self._beams
+        grow = self.frames + x.size(0) + 1 - beams.hist.size(2)  # a prefix gains a token a frame at most
+        if grow > 0:
+            beams = dataclasses.replace(beams, hist=torch.nn.functional.pad(beams.hist, (0, grow), value=-1))
+        for t in range(x.size(0)):
+            beams = beams.advance(x[t], tried.values[t], tried.indices[t], self._no_cap, self.blank)
+        self._beams, self.frames = beams, self.frames + x.size(0)
+        spoken = x.argmax(dim=2) != self.blank  # (t, B): a frame whose best token is not blank
+        since = spoken.flip(0).int().argmax(dim=0)  # (B,) frames after the last spoken one
+        self.trailing_blanks = torch.where(spoken.any(dim=0), since, self.trailing_blanks + x.size(0))
+
+    def prefixes(self) -> PrefixBeams:
+        """The beam so far, best first (prefix_beam_search's result)."""
+        beams = self._beams
+        order = beams.total().sort(dim=1, descending=True)
+        tokens = beams.hist.gather(1, order.indices[..., None].expand(-1, -1, beams.hist.size(2)))
+        return PrefixBeams(tokens, beams.lens.gather(1, order.indices), order.values)
+
+
 @dataclass(frozen=True)
 class _Beams:
     """The prefixes of `prefix_beam_search` (B, N each) after some frames."""

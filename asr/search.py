@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asr.ctc_prefix import CTCPrefixScorer, prefix_beam_search
+from asr.ctc_prefix import CTCPrefixScorer, PrefixBeams, prefix_beam_search
 from asr.inference import DecoderState, InferenceModel
 from asr.scorer import CacheScorer, CountingScorer, FullScorer, PartialScorer, Selection
 from asr.tokens import BLANK
@@ -496,6 +496,14 @@ def ctc_rescore(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.
     log_probs = model.ctc_log_probs(memory).index_fill(2, torch.tensor([eos], device=memory.device), float("-inf"))
     limits = length_limits(model, memory_lens, options.max_len_ratio, options.max_rate_factor)
     beams = prefix_beam_search(log_probs, memory_lens, beam=options.beam_size, max_lens=limits, blank=BLANK)
+    return rescore_prefixes(model, memory, memory_lens, beams, options)
+
+
+def rescore_prefixes(model: InferenceModel, memory: torch.Tensor, memory_lens: torch.Tensor, beams: PrefixBeams,
+                     options: SearchOptions) -> list[tuple[Hypothesis, ...]]:
+    """The n-best of CTC prefixes (B, N) rescored by the teacher-forced decoder over their memory:
+    (1 - ctc_weight) * attention + ctc_weight * CTC + length_bonus * len (`ctc_rescore`, and the
+    streaming decoder at each endpoint)."""
     att = teacher_forced_scores(model, memory, memory_lens, beams.tokens, beams.lengths)  # (B, N)
     att = att.masked_fill((memory_lens == 0)[:, None], 0.0)  # no frames: the empty hypothesis scores 0
     w = options.ctc_weight

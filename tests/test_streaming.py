@@ -175,3 +175,108 @@ def test_dynamic_chunk_training_draws_a_chunk_per_batch():
     state = torch.random.get_rng_state()
     model(feats, feat_lens, tokens, token_lens)
     assert torch.equal(torch.random.get_rng_state(), state)  # nothing drawn without the flag
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming recognition (asr.streaming)
+
+
+def spoken(seconds: float, seed: int) -> torch.Tensor:
+    """A waveform with some structure (tones that change every 0.2 s, and noise)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(int(seconds * 16000)) / 16000.0
+    freqs = 200 + 1800 * torch.rand(int(seconds / 0.2) + 1, generator=g)
+    wave = 0.3 * torch.sin(2 * torch.pi * freqs[(t / 0.2).long()] * t) + 0.05 * torch.randn(t.numel(), generator=g)
+    return wave.float()
+
+
+def recognizer_parts(kind: str = "conformer"):
+    from asr.features import CMVNStats, FeatureConfig, GlobalCMVN, fbank
+    from asr.tokenizer import CharTokenizer
+
+    model = streaming_model(kind)
+    tokenizer = CharTokenizer(list("abcdefghijklmnopqrstuvwxyz '")[:SMALL.vocab_size - 4])
+    features = FeatureConfig(n_mels=SMALL.n_mels, dither=0.0)
+    stats = CMVNStats()
+    stats.add(fbank(spoken(2.0, 99), features))
+    cmvn = GlobalCMVN(stats)
+    with torch.no_grad():  # a CTC head on the encoder's centred, whitened output: it writes varied tokens
+        h = model.encoder(cmvn(fbank(spoken(2.0, 99), features)).double()[None], torch.tensor([200]))[0][0]
+        w = torch.randn(model.ctc.weight.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        w = 3.0 * w / h.std(0)
+        model.ctc.weight.copy_(w)
+        model.ctc.bias.copy_(-w @ h.mean(0))
+        model.decoder.output.weight.mul_(4.0)
+    return model, tokenizer, features, cmvn
+
+
+@pytest.mark.parametrize("chunk,left", [(4, -1), (8, 1)])
+def test_streaming_final_text_equals_the_chunked_ctc_rescore_decode(chunk, left):
+    """Endpointing and length caps off, one utterance fed in random pieces: the final text is the
+    non-streaming ctc_rescore decode of the same model under the same chunk mask (float64), and
+    the partial results along the way are prefixes the search held."""
+    from asr.features import fbank
+    from asr.search import SearchOptions, ctc_rescore
+    from asr.streaming import Stream, StreamingOptions
+
+    model, tokenizer, features, cmvn = recognizer_parts()
+    wave = spoken(3.1, 1)
+    options = StreamingOptions(chunk_size=chunk, left_chunks=left, beam_size=4, ctc_weight=0.5)
+    with torch.no_grad():
+        feats = cmvn(fbank(wave, features)).double()[None]
+        memory, lens = model.encoder(feats, torch.tensor([feats.size(1)]), chunk_size=chunk, left_chunks=left)
+        expected = ctc_rescore(model, memory, lens, SearchOptions(mode="ctc_rescore", beam_size=4, ctc_weight=0.5,
+                                                                  max_len_ratio=1.0, max_rate_factor=0.0))[0][0]
+    assert len(expected.tokens) > 3
+    rng = random.Random(0)
+    stream, events, start = Stream(model, tokenizer, features, cmvn, options), [], 0
+    while start < wave.numel():
+        size = rng.randint(1, 4000)
+        events += stream.accept_waveform(wave[start:start + size])
+        start += size
+    events += stream.finish()
+    finals = [e for e in events if e.kind == "final"]
+    assert len(finals) == 1 and finals[0].tokens == expected.tokens
+    assert stream.result() == tokenizer.decode(list(expected.tokens))
+    partials = [e for e in events if e.kind == "partial"]
+    assert len(partials) >= 2 and all(e.end <= finals[0].end for e in partials)
+
+
+def test_streaming_endpoints_split_the_segments():
+    """With a maximum segment length, finals come one per segment, each starting where the last
+    ended, and nothing is heard twice."""
+    from asr.streaming import Stream, StreamingOptions
+
+    model, tokenizer, features, cmvn = recognizer_parts()
+    stream = Stream(model, tokenizer, features, cmvn, StreamingOptions(chunk_size=4, beam_size=3, max_segment=0.8))
+    events = stream.accept_waveform(spoken(3.0, 2)) + stream.finish()
+    finals = [e for e in events if e.kind == "final"]
+    assert len(finals) >= 3
+    assert finals[0].start == 0.0 and all(a.end == b.start for a, b in zip(finals, finals[1:]))
+    assert all(f.end - f.start <= 0.8 + 4 * 0.04 + 1e-9 for f in finals)
+    with pytest.raises(ValueError, match="finished"):
+        stream.accept_waveform(spoken(0.1, 3))
+
+
+def test_streaming_prefix_search_equals_the_whole_search_and_counts_trailing_blanks():
+    """Frames fed in pieces: the beams of prefix_beam_search over all of them (no length cap), and
+    the frames since the last one whose best token was not blank."""
+    from asr.ctc_prefix import StreamingPrefixSearch, prefix_beam_search
+
+    g = torch.Generator().manual_seed(5)
+    log_probs = (3.0 * torch.randn(2, 40, 9, generator=g, dtype=torch.float64)).log_softmax(-1)
+    log_probs[:, 33:, 0] = 0.0  # the last 7 frames: blank is best
+    whole = prefix_beam_search(log_probs, torch.tensor([40, 40]), beam=5, max_lens=torch.tensor([40, 40]))
+    search = StreamingPrefixSearch(batch=2, beam=5, like=log_probs)
+    for start, size in ((0, 3), (3, 1), (4, 20), (24, 9)):
+        search.feed(log_probs[:, start:start + size])
+    best = log_probs[:, :33].argmax(-1).tolist()
+    assert search.trailing_blanks.tolist() == [len(row) - len("".join(map(str, row)).rstrip("0")) for row in best]
+    search.feed(log_probs[:, 33:])
+    got = search.prefixes()
+    assert torch.equal(got.lengths, whole.lengths) and torch.equal(got.scores, whole.scores)
+    for b in range(2):
+        for n in range(5):
+            k = int(whole.lengths[b, n])
+            assert torch.equal(got.tokens[b, n, :k], whole.tokens[b, n, :k])
+    assert search.trailing_blanks.tolist() == [7, 7]
