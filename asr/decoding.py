@@ -84,6 +84,9 @@ class DecodingOptions(SearchOptions):
     # autocast; auto: bf16 on a CUDA GPU that supports it natively, fp32 elsewhere (the CPU)
     int8: bool = False  # CPU: every weight matmul in int8, activations quantized per call (asr.quantize;
     # an exported model: its int8 graphs); the precision is then fp32 for the rest
+    chunk_size: int = 0  # > 0: the encoder attends in chunks of this many encoder frames (and their left
+    # context), as a streaming model hears the audio (asr.streaming); 0: the whole utterance
+    left_chunks: int = -1  # with chunk_size: the chunks before its own that a frame attends to; -1: all
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,6 +100,8 @@ class DecodingOptions(SearchOptions):
             ("lm_fusion", not self.lm_fusion or bool(self.lm), "needs decoding.lm"),
             ("lm_word_bonus", math.isfinite(self.lm_word_bonus), "must be finite"),
             ("int8", not (self.int8 and self.precision == "bf16"), "and precision bf16 do not go together"),
+            ("chunk_size", self.chunk_size >= 0, "must be >= 0 (0: the whole utterance)"),
+            ("left_chunks", self.left_chunks >= -1, "must be >= -1 (-1: all)"),
         ))
 
 
@@ -169,6 +174,8 @@ class DecodingTask:
         if isinstance(lm, NeuralLM):
             lm.check_tokenizer(tokenizer)
         self.device = model.device
+        if options.chunk_size and not getattr(model, "chunked_attention", False):
+            raise ValueError("decoding.chunk_size: this model encodes whole utterances (an exported model)")
         if options.int8:
             if self.device.type != "cpu":
                 raise ValueError(f"decoding.int8 runs on the CPU, not on {self.device}")
@@ -236,8 +243,9 @@ class DecodingTask:
         """The encoder output (B, T, d) and its lengths (B,) of features (T_i, n_mels) each."""
         lens = torch.tensor([f.size(0) for f in feats], device=feats[0].device)
         padded = torch.nn.utils.rnn.pad_sequence(list(feats), batch_first=True)  # (B, T, D)
+        chunks = {"chunk_size": self.options.chunk_size, "left_chunks": self.options.left_chunks}
         with self._autocast():
-            return self.model.encode(padded, lens)
+            return self.model.encode(padded, lens, **(chunks if self.options.chunk_size else {}))
 
     def search(self, memory: torch.Tensor, memory_lens: torch.Tensor) -> list[tuple[Hypothesis, ...]]:
         """The search's n-best lists of an encoder output (the whole beam when it is rescored)."""

@@ -78,7 +78,8 @@ class InferenceModel(Protocol):
 
     def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """memory (B, S, d) and memory_lens (B,) long of feats (B, T, n_mels), feat_lens (B,) long,
-        T >= min_frames."""
+        T >= min_frames. A model whose `chunked_attention` is true also takes chunk_size and
+        left_chunks (keywords): the memory a streaming encoder gives (asr.model.StreamingEncoder)."""
 
     def ctc_log_probs(self, memory: torch.Tensor) -> torch.Tensor:
         """CTC log-probabilities (B, S, V) float32 of memory (B, S, d)."""

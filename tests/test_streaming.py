@@ -280,3 +280,33 @@ def test_streaming_prefix_search_equals_the_whole_search_and_counts_trailing_bla
             k = int(whole.lengths[b, n])
             assert torch.equal(got.tokens[b, n, :k], whole.tokens[b, n, :k])
     assert search.trailing_blanks.tolist() == [7, 7]
+
+
+def test_decoding_chunk_size_encodes_as_the_streaming_model_hears():
+    """decoding.chunk_size / left_chunks: the decoding task encodes under that chunk mask (the
+    search then runs on it as on any memory); an object without chunked attention is refused."""
+    from asr.decoding import DecodingOptions, DecodingTask
+    from asr.features import fbank
+
+    model, tokenizer, features, cmvn = recognizer_parts()
+    model.float()
+    feats = [cmvn(fbank(spoken(s, i), features)) for i, s in enumerate((1.3, 2.1))]
+    options = DecodingOptions(mode="ctc_greedy", chunk_size=4, left_chunks=1)
+    task = DecodingTask(model, tokenizer, options)
+    memory, lens = task.encode(feats)
+    padded = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+    with torch.no_grad():
+        expected, _ = model.encoder(padded, torch.tensor([f.size(0) for f in feats]), chunk_size=4, left_chunks=1)
+        whole, _ = model.encoder(padded, torch.tensor([f.size(0) for f in feats]))
+    torch.testing.assert_close(memory, expected)
+    assert not torch.allclose(memory, whole, atol=1e-4)
+    assert [n[0].tokens for n in task.run(feats)] == [n[0].tokens for n in DecodingTask(
+        model, tokenizer, options).decode_memory(expected, lens)]
+
+    class WholeOnly:
+        device = torch.device("cpu")
+
+    with pytest.raises(ValueError, match="decoding.chunk_size"):
+        DecodingTask(WholeOnly(), tokenizer, options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_size"):
+        DecodingOptions(chunk_size=-1)

@@ -220,9 +220,13 @@ class ASRModel(nn.Module):
         """Feature frames the first encoder frame needs (the subsampling's receptive field)."""
         return self.encoder.subsampling.receptive_field
 
-    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(memory (B, S, d), memory_lens (B,)) of feats (B, T, n_mels), feat_lens (B,)."""
-        return self.encoder(feats, feat_lens)
+    chunked_attention = True  # `encode` takes chunk_size and left_chunks (StreamingEncoder)
+
+    def encode(self, feats: torch.Tensor, feat_lens: torch.Tensor, *, chunk_size: int = 0,
+               left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(memory (B, S, d), memory_lens (B,)) of feats (B, T, n_mels), feat_lens (B,); with
+        chunk_size > 0, each frame attends to its chunk and `left_chunks` before (StreamingEncoder)."""
+        return self.encoder(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
 
     def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,
                    capacity: int = 64) -> DecoderCache:
