@@ -174,7 +174,7 @@ class DecodingTask:
         if isinstance(lm, NeuralLM):
             lm.check_tokenizer(tokenizer)
         self.device = model.device
-        if options.chunk_size and not getattr(model, "chunked_attention", False):
+        if options.chunk_size and not model.chunked_attention:
             raise ValueError("decoding.chunk_size: this model encodes whole utterances (an exported model)")
         if options.int8:
             if self.device.type != "cpu":

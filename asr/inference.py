@@ -72,6 +72,10 @@ class InferenceModel(Protocol):
         """Where the model's inputs go."""
 
     @property
+    def chunked_attention(self) -> bool:
+        """Whether `encode` takes chunk_size and left_chunks (decoding.chunk_size)."""
+
+    @property
     def min_frames(self) -> int:
         """Feature frames the first encoder frame needs: a shorter input has no encoder output and
         decodes to the empty hypothesis without being encoded."""

@@ -197,8 +197,12 @@ class ContractOnly:
     def min_frames(self) -> int:
         return self._model.min_frames
 
-    def encode(self, feats, feat_lens):
-        return self._model.encode(feats, feat_lens)
+    @property
+    def chunked_attention(self) -> bool:
+        return self._model.chunked_attention
+
+    def encode(self, feats, feat_lens, **chunks):
+        return self._model.encode(feats, feat_lens, **chunks)
 
     def ctc_log_probs(self, memory):
         return self._model.ctc_log_probs(memory)

@@ -305,6 +305,7 @@ def test_decoding_chunk_size_encodes_as_the_streaming_model_hears():
 
     class WholeOnly:
         device = torch.device("cpu")
+        chunked_attention = False
 
     with pytest.raises(ValueError, match="decoding.chunk_size"):
         DecodingTask(WholeOnly(), tokenizer, options)  # type: ignore[arg-type]
