@@ -68,7 +68,7 @@ def test_our_side_decodes_exactly_the_forced_lengths(one_thread, ctc_weight):
 
 
 def test_run_writes_table_and_json_for_our_side(one_thread, tmp_path, capsys):
-    args = bench.parse_args(["--quick", "--toolkits", "ours", "--out", str(tmp_path / "r.json")])
+    args = bench.parse_args(["--quick", "--toolkits", "ours", "--variants", "none", "--out", str(tmp_path / "r.json")])
     args = argparse.Namespace(**{**vars(args), "utts": 2, "alone": 1, "train_utts": 1, "train_seconds": 1.0,
                                  "files": 2, "threads": 1})
     result = bench.run(args, kits=[Ours(SMALL)])
@@ -80,6 +80,36 @@ def test_run_writes_table_and_json_for_our_side(one_thread, tmp_path, capsys):
     assert saved["environment"]["threads"] == 1 and saved["workload"]["decode_repeats"] == 1
     out = capsys.readouterr().out
     assert "beam 10 + CTC 0.3, batch 2" in out and "audio-s/s" in out
+
+
+def test_our_fast_paths_get_rows_at_batch_1_and_32(one_thread, tmp_path, capsys):
+    """--variants: our int8 model and the exported one (float32 and int8 graphs) decode the same
+    inputs to exactly the forced lengths, each with a row after every decoding setting's own."""
+    pytest.importorskip("onnxruntime")
+    args = bench.parse_args(["--quick", "--toolkits", "ours", "--tasks", "decode", "--variants", "int8,onnx,onnx-int8",
+                             "--out", str(tmp_path / "r.json")])
+    args = argparse.Namespace(**{**vars(args), "utts": 2, "alone": 1, "threads": 1})
+    result = bench.run(args, kits=[Ours(SMALL)])
+    settings = [row["setting"] for row in result["rows"]]
+    assert len(settings) == 4 * 4 and result["workload"]["variants"] == ["int8", "onnx", "onnx-int8"]
+    for batch in (1, 2):
+        for variant in ("int8", "onnx", "onnx-int8"):
+            assert f"beam 10 + CTC 0.3, batch {batch}, ours {variant}" in settings
+    for row in result["rows"]:
+        assert row["toolkits"]["ours"]["equal_work"], row["setting"]
+        assert ("variant" in row) == ("over_fp32" in row) == (", ours " in row["setting"])
+    assert "batch 1, ours onnx-int8" in capsys.readouterr().out
+
+
+def test_a_variant_that_cannot_be_built_is_left_out(monkeypatch, capsys):
+    import ours_fast
+
+    def broken(name, ours):
+        raise ImportError("no onnxruntime")
+    monkeypatch.setattr(ours_fast, "variant", broken)
+    assert bench.load_variants([Ours(SMALL)], "onnx") == []
+    assert "no 'ours onnx' rows (ImportError: no onnxruntime)" in capsys.readouterr().err
+    assert bench.load_variants([Ours(SMALL)], "none") == [] and bench.load_variants([], "int8") == []
 
 
 def test_summary_ratios_and_table():

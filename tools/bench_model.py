@@ -6,10 +6,19 @@ writes JSON.
 
 1. Forward + backward of the joint loss on a batch of equal-length utterances (no padding):
    seconds of audio per second, and achieved GFLOP/s. The FLOP count (see `forward_flops`) is
-   2 per multiply-add of the convolutions and matrix products (attention scores and weighted sums
-   included, causal attention counted in full; norms, softmax and activations left out), and
-   training = 3 x forward (the backward pass costs two forwards). It equals torch's
-   FlopCounterMode on the forward plus the attention products, which that counter skips on CPU.
+   2 per multiply-add of every convolution and matrix product of the model: the subsampling; in
+   each encoder layer the attention projections, scores and weighted sums, the feed-forward(s)
+   (a Conformer's two macaron ones), the Conformer's relative-position projection and position
+   scores (q + v) P^T, and the convolution module (pointwise convolutions and the depthwise one);
+   in each decoder layer causal self-attention (counted in full), cross-attention and the
+   feed-forward at the decoder's own width (decoder_ffn_dim); the output layer and the CTC head
+   (again on each intermediate CTC layer).
+   Left out: norms, softmax, activations, GLU, dropout, the losses and the optimizer (elementwise
+   work, which torch's FlopCounterMode does not count either). Training = 3 x forward (the
+   backward pass costs two forwards; FlopCounterMode's count of a backward is a little under 2x:
+   no gradient for the input features or the embedding lookup). It equals FlopCounterMode on the
+   forward with attention held to its math path (tests/test_bench_tools.py), which on the CPU
+   would otherwise skip the attention products inside the fused kernel.
 2. The decoder's cached step (eval, no autograd) for B utterances x N hypotheses at positions
    10, 50 and 100, every row continuing a random row of its utterance at every step (the worst
    case for the cache: beam search moves few rows and tells the cache which), with the
@@ -49,20 +58,80 @@ def load(path: Path) -> tuple[ModelConfig, float]:
 
 
 def forward_flops(c: ModelConfig, frames: int, tokens: int) -> int:
-    """FLOPs of one utterance's forward: `frames` input frames, `tokens` targets (+ sos / eos)."""
-    d, t, f, channels, total = c.d_model, frames, c.n_mels, 1, 0
+    """FLOPs of one utterance's forward, alone: `frames` input frames, `tokens` targets (+ sos / eos).
+
+    2 per multiply-add of every matrix product and convolution of asr/model (see the module
+    docstring): the subsampling, each encoder layer (`encoder_layer_flops`), each decoder layer
+    (`decoder_layer_flops`), the decoder's output layer and the CTC head. In a batch the relative
+    position projection is made once for all utterances (`position_flops`; `batch_forward_flops`)."""
+    total, s = subsampling_flops(c, frames)
+    n = tokens + 1
+    layers = c.encoder_layers * encoder_layer_flops(c, s) + c.decoder_layers * decoder_layer_flops(c, s, n)
+    ctc_heads = 1 + len(getattr(c, "interctc_layers", ()))  # the CTC head on the last layer and on each
+    # intermediate CTC layer (a field 37a736d's ModelConfig lacks)
+    heads = 2 * n * c.d_model * c.vocab_size + ctc_heads * 2 * s * c.d_model * c.vocab_size  # decoder output + CTC
+    return total + layers + heads
+
+
+def subsampling_flops(c: ModelConfig, frames: int) -> tuple[int, int]:
+    """(FLOPs of the conv2d subsampling of `frames` frames, the encoder frames s it leaves)."""
+    t, f, channels, total = frames, c.n_mels, 1, 0
     for kernel, stride in LAYERS[c.subsampling]:  # valid convolutions
         t, f = (t - kernel) // stride + 1, (f - kernel) // stride + 1
         total += 2 * c.conv_channels * channels * kernel * kernel * t * f
         channels = c.conv_channels
-    total += 2 * t * channels * f * d  # subsampling linear
-    s, n = t, tokens + 1
-    encoder = 2 * s * d * 4 * d + 4 * s * s * d + 4 * s * d * c.ffn_dim
+    return total + 2 * t * channels * f * c.d_model, t  # + the linear map to d_model
+
+
+def encoder_layer_flops(c: ModelConfig, s: int) -> int:
+    """One encoder layer over s frames. Transformer: self-attention (q, k, v and output projections;
+    scores QK^T and the weighted sum of V), one feed-forward, the convolution module when
+    conv_kernel > 0. Conformer: two (macaron) feed-forwards of ffn_dim each, the relative-position
+    self-attention (also the position projection of the 2s - 1 relative encodings and the
+    position scores (q + v) P^T over them, before the shift), the convolution module."""
+    d, f = c.d_model, c.ffn_dim
+    attention = 2 * s * d * 4 * d + 4 * s * s * d
+    ffn = 4 * s * d * f
+    if c.encoder == "conformer":
+        relative = position_flops(c, s) + 2 * s * (2 * s - 1) * d
+        return attention + relative + 2 * ffn + conv_module_flops(c, s)
+    return attention + ffn + (conv_module_flops(c, s) if c.conv_kernel > 0 else 0)
+
+
+def conv_module_flops(c: ModelConfig, s: int) -> int:
+    """The convolution module over s frames: pointwise d -> 2d (GLU after it), depthwise over time
+    (kernel conv_kernel, one multiply-add per tap and channel), pointwise d -> d."""
+    d = c.d_model
+    return 2 * s * d * 2 * d + 2 * s * d * c.conv_kernel + 2 * s * d * d
+
+
+def position_flops(c: ModelConfig, s: int) -> int:
+    """The conformer's projection of the 2s - 1 relative encodings in one layer (bias-free d x d):
+    made once per batch at its padded length, not per utterance; 0 for a transformer."""
+    return 2 * (2 * s - 1) * c.d_model * c.d_model if c.encoder == "conformer" and s > 0 else 0
+
+
+def decoder_layer_flops(c: ModelConfig, s: int, n: int) -> int:
+    """One decoder layer over n positions and s memory frames: causal self-attention (counted in
+    full, as the kernels compute it), cross-attention (query and output projections over n, key and
+    value projections over s, scores and weighted sum n x s), the feed-forward of the decoder's own
+    width (decoder_ffn_dim, else ffn_dim)."""
+    d, f = c.d_model, c.decoder_ffn_dim or c.ffn_dim
     self_attn = 2 * n * d * 4 * d + 4 * n * n * d
     cross = 2 * n * d * 2 * d + 2 * s * d * 2 * d + 4 * n * s * d
-    decoder = self_attn + cross + 4 * n * d * c.ffn_dim
-    heads = 2 * n * d * c.vocab_size + 2 * s * d * c.vocab_size  # decoder output + CTC
-    return total + c.encoder_layers * encoder + c.decoder_layers * decoder + heads
+    return self_attn + cross + 4 * n * d * f
+
+
+def batch_forward_flops(c: ModelConfig, frames: list[int], tokens: list[int], *, padded: bool = False) -> int:
+    """FLOPs of a batch's forward. Useful work (padded False): each utterance at its own length, the
+    relative-position projection (made once for the batch) counted once, at the batch's length;
+    padded: what the padded batch computes (B x the longest frames and tokens)."""
+    shared = position_flops(c, subsampling_flops(c, max(frames))[1]) * c.encoder_layers
+    if padded:
+        frames, tokens = [max(frames)] * len(frames), [max(tokens)] * len(tokens)
+    own = sum(forward_flops(c, f, n) - c.encoder_layers * position_flops(c, subsampling_flops(c, f)[1])
+              for f, n in zip(frames, tokens))
+    return own + shared
 
 
 def bench_training(model: ASRModel, rate: float, *, batch: int, seconds: float, iters: int,
@@ -86,7 +155,7 @@ def bench_training(model: ASRModel, rate: float, *, batch: int, seconds: float, 
         if i:
             times.append(time.perf_counter() - start)
     step = min(times)  # the least disturbed by other processes
-    flops = 3 * batch * forward_flops(model.config, frames, tokens)
+    flops = 3 * batch_forward_flops(model.config, [frames] * batch, [tokens] * batch)
     return {"batch": batch, "seconds_per_utt": seconds, "tokens_per_utt": tokens, "step_s": step,
             "audio_s_per_s": batch * seconds / step, "gflop_per_step": flops / 1e9, "gflop_per_s": flops / step / 1e9}
 

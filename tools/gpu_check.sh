@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# GPU check of the trainer's step: bf16 training of conf/librispeech_100h.yaml on synthetic
-# batches (steps/s, audio-seconds/s, peak GPU memory, MFU), then decoding (beam 10 + CTC 0.3,
+# GPU check of the trainer's step: bf16 training of conf/librispeech_100h_conformer.yaml on
+# synthetic batches, a new one every step (steps/s, audio-seconds/s, peak GPU memory, MFU, the
+# share of the step the GPU is busy and a torch.profiler table), then decoding (beam 10 + CTC 0.3,
 # 32 utterances per batch: real-time factor, utterances/s, host syncs per step). See
-# tools/gpu_check.py for what is measured and for the options.
+# tools/gpu_check.py for what is measured and for the options; tools/device_check.sh is the one
+# device run that measures this tree against the baseline (37a736d).
 #
 #   bash tools/gpu_check.sh [--compile] [--batch-seconds S ...] [--steps N] [--no-decode] [--out FILE]
-#   bash tools/gpu_check.sh --device cpu --config conf/tiny.yaml --warmup 1 --steps 2 --decode-batch 4   # dry run
+#   bash tools/gpu_check.sh --device cpu --config conf/tiny.yaml --batch-seconds 10 --warmup 1 --steps 2 \
+#       --profile-steps 1 --decode-batch 4                                                   # dry run
 #
 # Needs a python (PYTHON, default python3) with torch and pyyaml; nothing is installed: the
 # repository goes on PYTHONPATH. Exit status 2 when there is no CUDA device. Then runs the

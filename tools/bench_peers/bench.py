@@ -8,6 +8,14 @@ Prints the parameter counts and one table; writes JSON.
     $PY tools/bench_peers/bench.py                       # everything -> exp/bench_peers.json
     $PY tools/bench_peers/bench.py --quick               # a small workload, one repeat: a check that all runs
     $PY tools/bench_peers/bench.py --toolkits ours,espnet --tasks decode --seconds 5 10
+    $PY tools/bench_peers/bench.py --variants none       # without our int8 / exported rows
+
+Our fast CPU paths (--variants, default int8,onnx,onnx-int8; ours_fast.py): the same model's int8
+copy (`--int8`) and its export in onnxruntime (`asr export`, float32 and int8 graphs) decode the
+same inputs in the same rounds; each gets a row after the setting's own, its rate in the "ours"
+column against the same runs of the peers (and its speed-up over our float32 in the JSON,
+"over_fp32"). A variant that cannot be built here (no onnxruntime: the `export` extra) is left
+out with a note. Decoding only: training and loading rows have none.
 
 Equal work (README.md has the details): the same inputs go to every toolkit; decoding runs
 every utterance for exactly the same number of output tokens (eos made impossible by the output
@@ -56,7 +64,8 @@ MODES = {"beam 10": (10, 0.0), "beam 10 + CTC 0.3": (10, 0.3)}  # name: (beam si
 TRAIN_TOKENS_PER_SECOND = 7.5  # 300-token BPE on LibriSpeech-like speech
 QUICK = {"utts": 4, "alone": 2, "seconds": (1.0, 2.0), "decode_repeats": 1, "repeats": 1, "train_utts": 2,
          "train_seconds": 2.0, "files": 4}
-VERSIONS = ("torch", "torchaudio", "numpy", "espnet", "speechbrain", "asr")
+VERSIONS = ("torch", "torchaudio", "numpy", "espnet", "speechbrain", "asr", "onnxruntime")
+VARIANTS = "int8,onnx,onnx-int8"  # our fast decoding paths (ours_fast.VARIANTS) measured by default
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--files", type=int, default=32, help="WAV files of the loading path, 5-10 s (default 32)")
     p.add_argument("--load-batch", type=int, default=8, help="utterances per loaded batch (default 8)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--variants", default=VARIANTS,
+                   help=f"our fast decoding paths beside ours, comma-separated (default {VARIANTS}; none: none)")
     p.add_argument("--quick", action="store_true", help="tiny workload, one repeat: " + str(QUICK))
     p.add_argument("--out", type=Path, default=ROOT / "exp/bench_peers.json", help="JSON results")
     args = p.parse_args(argv)
@@ -124,19 +135,41 @@ def recording(outputs: dict, key: tuple, fn: Callable[[], object]) -> Callable[[
     return run
 
 
+def load_variants(kits: list, names: str) -> list:
+    """Our variants (ours_fast.py) of `names` ("int8,onnx"; "" or "none": none) built on the "ours"
+    kit's model; one that cannot be built here is left out, with the reason on stderr."""
+    ours = next((kit for kit in kits if kit.name == "ours"), None)
+    wanted = [n for n in names.split(",") if n and n != "none"]
+    if ours is None or not wanted:
+        return []
+    import ours_fast
+
+    variants = []
+    for name in wanted:
+        try:
+            variants.append(ours_fast.variant(name, ours))
+        except ValueError as e:
+            sys.exit(f"bench_peers: {e}")
+        except Exception as e:  # an extra missing, an export that fails: the rest still runs
+            print(f"bench_peers: no 'ours {name}' rows ({type(e).__name__}: {e})", file=sys.stderr)
+    return variants
+
+
 def decode_all(kit, inputs: list, beam: int, ctc: float) -> list[list[int]]:
     """The best hypotheses of every utterance of the batches `inputs`, decoded batch by batch."""
     return [h for utts in inputs for h in kit.decode(utts, beam_size=beam, ctc_weight=ctc)]
 
 
-def bench_decode(kits: list, args: argparse.Namespace) -> list[dict]:
-    """utterances / s of each mode at batch --utts (one batch) and batch 1 (--alone of them, one by one)."""
+def bench_decode(kits: list, args: argparse.Namespace, variants: list = ()) -> list[dict]:
+    """utterances / s of each mode at batch --utts (one batch) and batch 1 (--alone of them, one by one);
+    each setting's row, then one row per variant of ours (see the module docstring)."""
     import spec
     import workload
 
     utts = workload.decode_utterances(args.utts, tuple(args.seconds))
     alone = [utts.subset(i, i + 1) for i in range(min(args.alone, len(utts)))]
     warm = workload.decode_utterances(2, (1.0, 1.5), seed=9)
+    kits = [*kits, *variants]
     for kit in kits:
         for beam, ctc in MODES.values():
             kit.decode(warm, beam_size=beam, ctc_weight=ctc)
@@ -151,12 +184,23 @@ def bench_decode(kits: list, args: argparse.Namespace) -> list[dict]:
     times = interleaved(settings, args.decode_repeats)
     rows = []
     audio = {len(utts): float(utts.frames.sum()), 1: float(sum(u.frames.sum() for u in alone))}
+    extra = {v.name for v in variants}
     for setting, by_kit in times.items():
         checks = {name: [len(h) for h in outputs[(setting, name)]] == expected[setting] for name in by_kit}
-        row = summarize("decode", setting, "utt/s", len(expected[setting]), by_kit, checks)
-        row["audio_s"] = audio[int(setting.rsplit(" ", 1)[1])] / spec.FRAME_RATE
-        row["tokens"] = sum(expected[setting])
-        rows.append(row)
+        peers = {name: t for name, t in by_kit.items() if name not in extra}
+        found = [summarize("decode", setting, "utt/s", len(expected[setting]), peers, checks)]
+        for v in variants:  # the variant's runs in the "ours" column, against the same runs of the peers
+            runs = {**peers, "ours": by_kit[v.name]}
+            row = summarize("decode", f"{setting}, {v.name}", "utt/s", len(expected[setting]), runs,
+                            {**checks, "ours": checks[v.name]})
+            row["variant"] = v.variant
+            if "ours" in peers:
+                row["over_fp32"] = round(row["toolkits"]["ours"]["rate"] / found[0]["toolkits"]["ours"]["rate"], 3)
+            found.append(row)
+        for row in found:
+            row["audio_s"] = audio[int(setting.rsplit(" ", 1)[1])] / spec.FRAME_RATE
+            row["tokens"] = sum(expected[setting])
+        rows += found
     return rows
 
 
@@ -235,12 +279,13 @@ def run(args: argparse.Namespace, kits: list | None = None) -> dict:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     start, env = time.perf_counter(), environment()
     kits = kits or load_toolkits(args.toolkits.split(","))
+    variants = load_variants(kits, args.variants) if "decode" in tasks else []
     names = [kit.name for kit in kits]
     params = {kit.name: kit.parameters() for kit in kits}
     print(format_parameters(params) + "\n")
     rows, frames = [], {}
     if "decode" in tasks:
-        rows += bench_decode(kits, args)
+        rows += bench_decode(kits, args, variants)
     if "train" in tasks:
         rows += bench_train(kits, args)
     if "data" in tasks:
@@ -252,6 +297,7 @@ def run(args: argparse.Namespace, kits: list | None = None) -> dict:
                 "forced_tokens_per_encoder_frame": spec.TOKENS_PER_FRAME, "train_utts": args.train_utts,
                 "train_seconds": args.train_seconds, "train_tokens_per_second": TRAIN_TOKENS_PER_SECOND,
                 "files": args.files, "load_batch": args.load_batch, "decode_repeats": args.decode_repeats,
+                "variants": [v.variant for v in variants],
                 "repeats": args.repeats}
     return {"date": date,
             "command": " ".join(["python", *sys.argv]), "wall_s": round(time.perf_counter() - start, 1),

@@ -42,6 +42,7 @@ class Ours:
             self.model.decoder.output.bias[self.model.config.eos] = spec.EOS_BIAS
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.LEARNING_RATE)
         self.cmvn: GlobalCMVN | None = None
+        self.search_model = self.model  # what `decode` runs: ours_fast.py's variants put int8 or exported copies here
 
     def parameters(self) -> dict[str, int]:
         m = self.model
@@ -52,15 +53,15 @@ class Ours:
     def decode(self, utts: spec.Utterances, *, beam_size: int, ctc_weight: float) -> list[list[int]]:
         """Encoder on the padded batch, then asr.search's beam search over batch x beam; the
         forced lengths are our max_len_ratio cut (spec.forced_lengths uses the same formula)."""
-        self.model.eval()
-        memory, memory_lens = self.model.encoder(utts.feats, utts.frames)
+        self.search_model.eval()
+        memory, memory_lens = self.search_model.encoder(utts.feats, utts.frames)
         if not torch.equal(max_lengths(memory_lens, spec.TOKENS_PER_FRAME), utts.lengths):
             raise AssertionError("our max_len_ratio cut differs from spec.forced_lengths")
         options = SearchOptions(mode="attention", beam_size=beam_size, ctc_weight=ctc_weight,
                                 max_len_ratio=spec.TOKENS_PER_FRAME)
         few = memory.size(0) * beam_size <= FEW_ROWS and memory.device.type == "cpu"
         with intra_op_threads(1 if few else None):  # what `asr decode` / `asr transcribe` do by default
-            nbests = decode_memory(self.model, memory, memory_lens, options)
+            nbests = decode_memory(self.search_model, memory, memory_lens, options)
         return [list(nbest[0].tokens) for nbest in nbests]
 
     def train_step(self, batch: spec.TrainBatch) -> float:

@@ -55,14 +55,14 @@ step "speechbrain $speechbrain_version"
 pip install -q "speechbrain==$speechbrain_version" "torch==$torch_version" "torchaudio==$torchaudio_version"
 
 # this toolkit, from the working tree (an editable install: the benchmark runs the code as it is
-# now), and py-spy for profiling
-step "asr (editable, $root) and py-spy"
-pip install -q -e "$root" "torch==$torch_version" "torchaudio==$torchaudio_version" py-spy
+# now) with its export extra (onnx, onnxscript, onnxruntime: the exported rows), and py-spy for profiling
+step "asr (editable, $root, [export]) and py-spy"
+pip install -q -e "$root[export]" "torch==$torch_version" "torchaudio==$torchaudio_version" py-spy
 
 "$venv/bin/python" -m pip freeze 2>/dev/null > "$venv/versions.txt"
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "torchaudio", "espnet", "speechbrain", "asr", "numpy", "py-spy"):
+for name in ("torch", "torchaudio", "espnet", "speechbrain", "asr", "numpy", "onnxruntime", "py-spy"):
     print(f"{name:12s} {md.version(name)}")
 PY
 echo "$want" > "$stamp"
