@@ -97,3 +97,13 @@ def test_stage_5_chooses_on_dev_then_decodes_dev_and_test_three_ways(tmp_path):
     assert "| open vocabulary (no lexicon, no LM) |" in out and "not decoded" not in out
     assert "en-gb-scotland" in out and "nearest training accent" in out  # the per-accent WERs, the accents' table
     assert (exp / "accents.json").exists() and "stage 6 took" in out
+    # the dev sets beside dev (issue 47): dev_near always, dev_synth when Festival could be had (else
+    # stage 0 said why and went on); open vocabulary only by default
+    data = tmp_path / "data"
+    assert json.loads((exp / "decode_dev_near_open" / "wer.json").read_text())["utterances"] == 4
+    if (data / "dev_synth.jsonl").exists():
+        assert json.loads((exp / "decode_dev_synth_open" / "wer.json").read_text())["utterances"] == 4
+    else:
+        assert (data / "dev_synth.skipped").exists() and "dev_synth) is skipped" in out
+    assert not (exp / "decode_dev_near_lexicon").exists() and results["sets"]["dev_near"] == "made"
+    assert "| dev: unseen accents WER / CER | dev_near: unseen voices WER / CER |" in out

@@ -102,7 +102,8 @@ def test_a_beam_decoded_without_the_whole_beam_or_with_an_lm_is_refused(decoded,
 def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
     data, exp = tmp_path / "data", tmp_path / "exp"
     data.mkdir()
-    for s, accents in (("dev", ("en-029", "en-gb-x-gbcwmd")), ("test", ("en-gb-scotland", "en-us-nyc"))):
+    for s, accents in (("dev", ("en-029", "en-gb-x-gbcwmd")), ("test", ("en-gb-scotland", "en-us-nyc")),
+                       ("dev_near", ("en-us", "en"))):
         lines = [{"id": f"{s}-{i}", "audio": "x.flac", "duration": 1.0, "text": "A B",
                   "speaker": f"{accents[i % 2]}+m1"} for i in range(4)]
         (data / f"{s}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -118,3 +119,16 @@ def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
     assert got["decodes"]["lexicon+lm"]["dev"] is None
     table = results.markdown(got)
     assert "| open vocabulary (no lexicon, no LM) | 25.00% /" in table and "not decoded" in table
+    # the three dev sets side by side, then test: dev_near decoded, dev_synth not made
+    header = table.splitlines()[0]
+    assert header.index("dev: unseen accents") < header.index("dev_near: unseen voices") < header.index(
+        "dev_synth: unseen synthesizer") < header.index("| test WER")
+    assert got["sets"] == {"dev": "made", "dev_near": "made", "dev_synth": "not made", "test": "made"}
+    assert got["decodes"]["open"]["dev_near"]["all"]["wer"] == 2 / 8 and got["decodes"]["open"]["dev_synth"] is None
+    row = next(line for line in table.splitlines() if line.startswith("| open vocabulary"))
+    assert row.split(" | ")[2:4] == ["25.00% / 16.67%", "not made"]  # 2 of 8 words, 2 of 12 characters
+    # Festival unavailable: the set is named as skipped, with the reason stage 0 recorded
+    (data / "dev_synth.skipped").write_text("festival.sh: cannot fetch Festival: no apt-get\n")
+    got = results.collect(exp, data)
+    assert got["sets"]["dev_synth"] == "skipped: festival.sh: cannot fetch Festival: no apt-get"
+    assert "| skipped |" in results.markdown(got) and "dev_synth skipped: festival.sh" in results.markdown(got)

@@ -1,6 +1,7 @@
 """Does a config learn a corpus it was not tuned for? Trains it for a fixed number of steps on text
 spoken by eSpeak NG voices (or on a corpus folder you have), then says whether the CTC loss left
-its plateau and what the model scores on dev. Prints a table, writes OUT/learning_check.json.
+its plateau and what the model scores on its three dev sets, one gap each. Prints a table, writes
+OUT/learning_check.json.
 
     python tools/learning_check.py --out exp/check_long --ids \\
         --text ../shared/realspeech/librispeech_text/train-clean-100.txt --num-dev 150
@@ -8,17 +9,22 @@ its plateau and what the model scores on dev. Prints a table, writes OUT/learnin
         tokenizer.kind=char model.subsampling=4
     python tools/learning_check.py --out exp/check_synth --data recipes/synth/data --steps 3600
 
-1. Data: with --text, every line but --num-dev of them (held out, spoken in the synth recipe's dev
-   accents) spoken by the training accents' voices (recipes/synth/local/synthesize.py, test split
-   empty), into OUT/data; with --data, that folder's train.jsonl and dev.jsonl. Made once.
+1. Data: with --text, every line but --num-dev of them spoken by the training accents' voices
+   (recipes/synth/local/synthesize.py, test split empty), into OUT/data; the --num-dev held-out lines
+   make three dev sets that differ only in the voice: dev.jsonl in the synth recipe's dev accents,
+   en-029 and en-gb-x-gbcwmd (unseen accents: pronunciation), dev_near.jsonl in the training accents
+   by voice variants training never uses (synthesize.NEAR_VARIANTS: acoustics, near) and
+   dev_synth.jsonl by Festival's ked_diphone voice (recipes/synth/local/festival.py: a synthesizer
+   never heard; skipped, not failed, when Festival cannot be fetched). With --data, that folder's
+   train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them. Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
    (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.
 3. Training: --steps optimizer steps (training.max_steps: the schedule spans them) with --nproc
    processes (default 2, one thread each: the synth recipe's way on 2 cores), then the last 5
    checkpoints averaged.
-4. Dev decoded open vocabulary (no lexicon, no LM) with --decode-config (conf/decode/small.yaml: beam
-   10, CTC weight 0.4).
+4. Each dev set decoded open vocabulary (no lexicon, no LM) with --decode-config
+   (conf/decode/small.yaml: beam 10, CTC weight 0.4) into OUT/decode_<set>.
 
 The plateau: CTC loss per token near ln V (chance, V = the tokenizer's vocabulary). The table
 gives the first logged training step, and the first validation (at each epoch's end), whose CTC
@@ -45,6 +51,9 @@ from asr.train_log import read_records  # noqa: E402
 from asr.train_setup import load_experiment_config  # noqa: E402
 
 SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
+FESTIVAL = ROOT / "recipes" / "synth" / "local" / "festival.py"
+# the dev sets: the same held-out lines, one gap each (module docstring)
+DEV_SETS = {"dev": "unseen accents", "dev_near": "unseen voices", "dev_synth": "unseen synthesizer"}
 
 
 def run(cmd: list, log: Path, env: dict | None = None) -> None:
@@ -66,6 +75,8 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
                 sys.exit(f"learning_check: {folder / name}: no such manifest")
         return folder
     if (data / "train.jsonl").is_file() and (data / "dev.jsonl").is_file():
+        if not (data / "dev_synth.jsonl").is_file() and not (data / "dev_synth.skipped").is_file():
+            run([sys.executable, FESTIVAL, "dev-set", "--data", data], log)  # a folder made before it
         return data
     if not args.text:
         sys.exit("learning_check: give --text FILE (sentences to speak) or --data DIR (a corpus folder)")
@@ -77,7 +88,24 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
     num_train = args.num_train or max(len(lines) - args.num_dev, 1)
     run([sys.executable, SYNTHESIZE, "--out-dir", data, "--text", text, "--num-train", num_train,
          "--num-dev", args.num_dev, "--num-test", 0, "--seed", args.seed, "--jobs", args.jobs], log)
+    run([sys.executable, FESTIVAL, "dev-set", "--data", data], log)  # exits 0 when it skips (said in the log)
     return data
+
+
+def dev_sets(corpus: Path) -> dict[str, Path | str]:
+    """{set: its manifest, or why there is none} for DEV_SETS."""
+    out: dict[str, Path | str] = {}
+    for name in DEV_SETS:
+        manifest, skipped = corpus / f"{name}.jsonl", corpus / f"{name}.skipped"
+        if manifest.is_file() and manifest.stat().st_size:
+            out[name] = manifest
+        elif skipped.is_file():
+            out[name] = "skipped: " + skipped.read_text(encoding="utf-8").strip()
+        elif manifest.is_file():
+            out[name] = f"empty ({manifest})"
+        else:
+            out[name] = f"not made ({corpus} has no {manifest.name})"
+    return out
 
 
 def training_manifest(corpus: Path, out: Path, speeds: list[float] | None) -> Path:
@@ -155,21 +183,27 @@ def main() -> None:
          f"training.num_threads={threads}", *overrides], log, env)
     train_seconds = time.time() - started
     run(["asr", "average", "--exp-dir", exp, "--by", "last", "--num", 5], log)
-    decoded = out / "decode_dev"
-    run(["asr", "decode", "--model", exp / "model_avg.pt", "--manifest", corpus / "dev.jsonl", "--out-dir", decoded,
-         "--config", args.decode_config], log)
+    sets: dict[str, dict] = {}
+    for name, manifest in dev_sets(corpus).items():
+        if isinstance(manifest, str):
+            sets[name] = {"missing": manifest}
+            continue
+        decoded = out / f"decode_{name}"
+        run(["asr", "decode", "--model", exp / "model_avg.pt", "--manifest", manifest, "--out-dir", decoded,
+             "--config", args.decode_config], log)
+        scores = json.loads((decoded / "wer.json").read_text())
+        sets[name] = {"manifest": str(manifest), **{k: scores[k] for k in ("cer", "wer", "utterances")}}
 
     records = read_records(exp / "metrics.jsonl")
     chance = math.log(load_file(exp / "model_last.pt")["model"]["vocab_size"])  # ln V
     plateau = plateau_steps(records, chance, args.below)
-    scores = json.loads((decoded / "wer.json").read_text())
     valid = [r for r in records if r["kind"] == "valid"]
     report = {
         "config": args.config, "overrides": args.overrides, "decode_config": args.decode_config,
         "corpus": str(corpus), "train": str(train), "steps": args.steps,
         "train_minutes": round(train_seconds / 60, 1), "chance": chance, "below": args.below,
         "plateau_left_at": plateau, "warnings": [r for r in records if r["kind"] == "warning"],
-        "dev": {"cer": scores["cer"], "wer": scores["wer"], "utterances": scores["utterances"]},
+        "dev": {k: sets["dev"][k] for k in ("cer", "wer", "utterances")}, "dev_sets": sets,
         "valid": [{k: r[k] for k in ("step", "ctc_loss", "att_loss", "accuracy") if k in r} for r in valid],
     }
     (out / "learning_check.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -177,13 +211,16 @@ def main() -> None:
     def share(step: int | None) -> str:
         return "never" if step is None else f"step {step} ({100 * step / args.steps:.0f}%)"
 
-    print(f"\n{'check':<28} {'value'}")
-    print(f"{'config':<28} {Path(args.config).name} {' '.join(args.overrides)}")
-    print(f"{'training':<28} {args.steps} steps, {report['train_minutes']} min, {args.nproc} process(es)")
-    print(f"{'CTC < ' + f'{args.below:g} ln V, train':<28} {share(plateau['train'])}")
-    print(f"{'CTC < ' + f'{args.below:g} ln V, dev':<28} {share(plateau['valid'])}")
-    print(f"{'plateau warning':<28} {'yes' if report['warnings'] else 'no'}")
-    print(f"{'dev CER / WER':<28} {100 * scores['cer']:.1f}% / {100 * scores['wer']:.1f}%")
+    print(f"\n{'check':<42} {'value'}")
+    print(f"{'config':<42} {Path(args.config).name} {' '.join(args.overrides)}")
+    print(f"{'training':<42} {args.steps} steps, {report['train_minutes']} min, {args.nproc} process(es)")
+    print(f"{'CTC < ' + f'{args.below:g} ln V, train':<42} {share(plateau['train'])}")
+    print(f"{'CTC < ' + f'{args.below:g} ln V, dev':<42} {share(plateau['valid'])}")
+    print(f"{'plateau warning':<42} {'yes' if report['warnings'] else 'no'}")
+    for name, what in DEV_SETS.items():
+        r = sets[name]
+        value = f"{100 * r['cer']:.1f}% / {100 * r['wer']:.1f}%" if "wer" in r else r["missing"]
+        print(f"{name + ' (' + what + ') CER / WER':<42} {value}")
     print(f"report: {out / 'learning_check.json'}")
 
 

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The built-in recipe: synthesize a corpus with eSpeak NG in three worlds (train, dev and test:
 # their own sentence templates, accents and unseen words), train a small transformer on a CPU,
-# average, choose the decoding's LM weights on dev, decode dev and test and score them.
+# average, choose the decoding's LM weights on dev, decode the dev sets and test and score them.
 #
 #   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
-#                             [--num-train N] [--num-dev N] [--num-test N] [--lm-sentences N]
-#                             [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
+#                             [--num-train N] [--num-dev N] [--num-test N] [--num-dev-near N]
+#                             [--num-dev-synth N] [--festival-dir DIR] [--extra-dev-decodes open|all]
+#                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
-#   0 synthesize train/dev/test    1 tokenizer (the config's), the training words, a word LM
+#   0 synthesize train/dev/test, and dev's sentences again as dev_near (eSpeak, the training
+#     accents, voice variants training never uses) and dev_synth (Festival's ked voice, fetched
+#     by tools/festival.sh; skipped, not failed, when it cannot be had)
+#   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
-#   4 average checkpoints          5 decode dev and test: open vocabulary, with the training words
-#                                    as the lexicon, and with the lexicon and the LM, whose weights
-#                                    local/tune.py chooses on dev (the test set is decoded once)
-#   6 results table (dev and test, per accent), the accents' distances, a transcription
+#   4 average checkpoints          5 decode dev and test: open vocabulary, with the training words as
+#                                    the lexicon, and with the lexicon and the LM, whose weights
+#                                    local/tune.py chooses on dev (test decoded once); dev_near and
+#                                    dev_synth open vocabulary (--extra-dev-decodes all: all three)
+#   6 results table (each dev set and test, per accent), the accents' distances, a transcription
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
 # ~175 audio-seconds per second against ~130 for one process with 2 threads (the same 40 s steps;
@@ -27,6 +32,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
+num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
 lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
@@ -39,6 +45,10 @@ while [ $# -gt 0 ]; do
     --num-train) num_train=$2; shift 2;;
     --num-dev) num_dev=$2; shift 2;;
     --num-test) num_test=$2; shift 2;;
+    --num-dev-near) num_dev_near=$2; shift 2;;
+    --num-dev-synth) num_dev_synth=$2; shift 2;;
+    --festival-dir) festival_dir=$(abspath "$2"); shift 2;;
+    --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
     --lm-clauses) lm_clauses=$2; shift 2;;
     --config) config=$(abspath "$2"); shift 2;;
@@ -46,7 +56,7 @@ while [ $# -gt 0 ]; do
     --exp-dir) exp=$(abspath "$2"); shift 2;;
     --nproc) nproc=$2; shift 2;;
     --seed) seed=$2; shift 2;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
   esac
@@ -78,9 +88,19 @@ run_stage() {  # run_stage N description command...
 text_args=(); [ -n "$text" ] && text_args=(--text "$text")
 [ -n "$lm_sentences" ] && text_args+=(--lm-sentences "$lm_sentences")
 [ -n "$lm_clauses" ] && text_args+=(--lm-clauses "$lm_clauses")
-run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances" \
-  python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev $num_dev --num-test $num_test \
-  --seed "$seed" "${text_args[@]}"
+case $extra_decodes in open|all) ;; *) echo "run.sh: --extra-dev-decodes open or all, not $extra_decodes" >&2; exit 2;; esac
+# The dev sets speak the same held-out sentences in three ways, one gap each: dev, the unseen accents
+# (pronunciation); dev_near, the training accents in voice variants training never uses (acoustics,
+# near: synthesize.py's NEAR_VARIANTS); dev_synth, Festival's ked_diphone voice (a synthesizer never
+# heard: local/festival.py, ~2 s for 200 lines). By default as many as dev (200 each).
+num_dev_near=${num_dev_near:-$num_dev}; num_dev_synth=${num_dev_synth:-$num_dev}
+synthesize() {
+  python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev "$num_dev" --num-test "$num_test" \
+    --num-dev-near "$num_dev_near" --seed "$seed" "${text_args[@]}"
+  python local/festival.py dev-set --data "$data" --num "$num_dev_synth" ${festival_dir:+--festival-dir "$festival_dir"}
+}
+run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth" \
+  synthesize
 # the tokenizer the config asks for (kind and size, after the overrides), named after them, and
 # its mel bins (for the CMVN statistics)
 read -r kind vocab n_mels < <(python -c '
@@ -124,6 +144,8 @@ run_stage 3 "train $(basename "$config")" train
 # 25.3% for the best 3 epochs (which include the first, far behind at a short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 # Every choice on dev, the test set decoded once with them (conf/decode/synth.yaml's search):
+# dev_near and dev_synth (when stage 0 made them): open vocabulary (~5 s each for 200 lines), with
+# --extra-dev-decodes all also the lexicon and the LM as dev is (~10 s more each)
 #   decode_{dev,test}_open     no lexicon and no LM: any text may be written (the headline figure), at
 #                              beam 10: without a lexicon or an LM to use a wider beam, 10 did as well
 #                              as 40 on dev, at a third of the time (recipes/README.md)
@@ -137,18 +159,22 @@ decode() {
   local conf=$root/conf/decode/synth.yaml set beam
   [ -f "$data/lm.arpa" ] || word_lm  # an experiment whose stage 1 ran before stage 1 built the LM
   beam=$(python -c 'import sys; from asr.decoding import load_decoding_config as c; print(c(sys.argv[1]).beam_size)' "$conf")
-  for set in dev test; do
+  local then=() sets=(dev test)
+  for set in dev_near dev_synth; do [ -s "$data/$set.jsonl" ] && sets+=("$set"); done
+  for set in "${sets[@]}"; do
     asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open" \
       --config "$conf" --beam-size 10
+    case $set in  # (an extra set's decodes of an earlier `all` run are removed, not reported stale)
+      dev|test) ;; *) [ "$extra_decodes" = all ] || { rm -rf "$exp/decode_${set}_lexicon" "$exp/decode_$set"; continue; };;
+    esac
     asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_lexicon" \
       --config "$conf" decoding.lexicon="$data/words.txt" decoding.nbest="$beam"
+    then+=(--then "$exp/decode_${set}_lexicon" "$data/$set.jsonl" "$exp/decode_$set")
   done
   python local/tune.py choose --beam "$exp/decode_dev_lexicon" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
-    --config "$conf" --out "$exp/decode.yaml" \
-    --then "$exp/decode_dev_lexicon" "$data/dev.jsonl" "$exp/decode_dev" \
-    --then "$exp/decode_test_lexicon" "$data/test.jsonl" "$exp/decode_test"
+    --config "$conf" --out "$exp/decode.yaml" "${then[@]}"
 }
-run_stage 5 "decode dev and test (conf/decode/synth.yaml): open vocabulary, the lexicon, the lexicon and the LM (weights chosen on dev)" decode
+run_stage 5 "decode the dev sets and test (conf/decode/synth.yaml): open vocabulary, the lexicon, the lexicon and the LM (weights chosen on dev)" decode
 results() {
   python local/results.py --exp "$exp" --data "$data"
   python local/accents.py --manifests "$data/dev.jsonl,$data/test.jsonl" --json "$exp/accents.json"

@@ -1,11 +1,15 @@
-"""The synth recipe's results table (stage 6): dev beside test for each of the three decodes, and
-each accent apart.
+"""The synth recipe's results table (stage 6): the three dev sets beside test for each of the three
+decodes, and each accent apart.
 
     python local/results.py --exp EXP --data DATA     # prints Markdown, writes EXP/results.json
 
-Reads EXP/decode_{dev,test}{_open,_lexicon,}/hyp.txt and ref.txt (stage 5), the manifests'
-speakers ("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words) and EXP/tune.json
-(the LM weights chosen on dev). A decode that is missing is named, not guessed.
+The dev sets speak the same held-out sentences and differ in the voice, so each measures one gap:
+dev, the unseen accents (pronunciation); dev_near, the training accents in voice variants training
+never used (acoustics, near); dev_synth, Festival's ked voice (a synthesizer never heard).
+Reads EXP/decode_<set>{_open,_lexicon,}/hyp.txt and ref.txt (stage 5), the manifests' speakers
+("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words), DATA/dev_synth.skipped (why
+there is no dev_synth) and EXP/tune.json (the LM weights chosen on dev). A set not made and a
+decode that is missing are named, not guessed.
 """
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ from asr.metrics import score
 DECODES = (("open", "_open", "open vocabulary (no lexicon, no LM)"),
            ("lexicon", "_lexicon", "the training words as a closed lexicon"),
            ("lexicon+lm", "", "the lexicon and the word LM (weights chosen on dev)"))
-SETS = ("dev", "test")
+SETS = ("dev", "dev_near", "dev_synth", "test")
+EXTRA = ("dev_near", "dev_synth")  # the sets beside dev that stage 5 decodes open vocabulary unless asked
+TITLES = {"dev": "dev: unseen accents", "dev_near": "dev_near: unseen voices",
+          "dev_synth": "dev_synth: unseen synthesizer", "test": "test"}
 
 
 def accent(speaker: str | None) -> str:
@@ -34,12 +41,18 @@ def rates(refs: dict[str, str], hyps: dict[str, str]) -> dict[str, Any]:
 
 
 def collect(exp: Path, data: Path) -> dict[str, Any]:
-    """{"corpus", "tune", "decodes": {decode: {set: {"all": rates, "<accent>": rates} | None}}}."""
-    out: dict[str, Any] = {"decodes": {}}
+    """{"corpus", "tune", "sets": {set: "made" | "not made" | "skipped: <why>"},
+    "decodes": {decode: {set: {"all": rates, "<accent>": rates} | None}}}."""
+    out: dict[str, Any] = {"decodes": {}, "sets": {}}
     for name in ("corpus", "tune"):
         path = (data if name == "corpus" else exp) / f"{name}.json"
         out[name] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
-    speakers = {s: {u.id: accent(u.speaker) for u in read_manifest(data / f"{s}.jsonl")} for s in SETS}
+    speakers: dict[str, dict[str, str]] = {}
+    for s in SETS:
+        manifest, skipped = data / f"{s}.jsonl", data / f"{s}.skipped"
+        speakers[s] = {u.id: accent(u.speaker) for u in read_manifest(manifest)} if manifest.exists() else {}
+        out["sets"][s] = ("made" if manifest.exists() else
+                          "skipped: " + skipped.read_text(encoding="utf-8").strip() if skipped.exists() else "not made")
     for key, suffix, _ in DECODES:
         out["decodes"][key] = {}
         for s in SETS:
@@ -55,26 +68,40 @@ def collect(exp: Path, data: Path) -> dict[str, Any]:
     return out
 
 
-def _cell(entry: dict[str, Any] | None) -> str:
+def _cell(entry: dict[str, Any] | None, made: str = "made") -> str:
     if entry is None:
-        return "not decoded"
+        return "not decoded" if made == "made" else made.split(":")[0]
     r = entry["all"]
     return f"{100 * r['wer']:.2f}% / {100 * r['cer']:.2f}%"
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = ["| decode | dev WER / CER | test WER / CER | test per accent (WER) | dev per accent (WER) |",
-             "|---|---|---|---|---|"]
+    made = results.get("sets", {})
+    lines = ["| decode | " + " | ".join(f"{TITLES[s]} WER / CER" for s in SETS)
+             + " | test per accent (WER) | dev per accent (WER) |",
+             "|---" * (len(SETS) + 3) + "|"]
     for key, _, what in DECODES:
         sets = results["decodes"][key]
         per = {s: ", ".join(f"{a} {100 * r['wer']:.1f}%" for a, r in sets[s].items() if a != "all") if sets[s] else "-"
-               for s in SETS}
-        lines.append(f"| {what} | {_cell(sets['dev'])} | {_cell(sets['test'])} | {per['test']} | {per['dev']} |")
-    notes = []
+               for s in ("dev", "test")}
+        cells = [_cell(sets.get(s), made.get(s, "made")) for s in SETS]
+        for i, s in enumerate(SETS):  # run.sh decodes dev_near and dev_synth open vocabulary by default
+            if s in EXTRA and key != "open" and sets.get(s) is None and results["decodes"]["open"].get(s):
+                cells[i] = "-"
+        lines.append(f"| {what} | {' | '.join(cells)} | {per['test']} | {per['dev']} |")
+    notes = [f"{s} {why}" for s, why in made.items() if why.startswith("skipped")]
+    if any(results["decodes"]["open"].get(s) and not results["decodes"]["lexicon"].get(s) for s in EXTRA):
+        notes.append("-: decoded open vocabulary only (run.sh --extra-dev-decodes all: the lexicon and the LM too)")
     corpus, tune = results["corpus"], results["tune"]
     if corpus:
         notes.append(f"corpus seed {corpus['seed']}")
-        for s in SETS:
+        near = corpus["splits"].get("dev_near")
+        if near:
+            notes.append(f"dev_near: {near['sentences']} of dev's sentences in the training accents by voice variants "
+                         f"training never used ({', '.join(near['variants'])})")
+        if made.get("dev_synth") == "made":
+            notes.append("dev_synth: dev's sentences spoken by Festival's ked_diphone voice")
+        for s in ("dev", "test"):
             split = corpus["splits"].get(s, {})
             if "unseen_words" in split:
                 notes.append(f"{s}: {split['unseen_distinct_words']} of {split['distinct_words']} distinct words "

@@ -1,11 +1,11 @@
 """Stage 0 of the synthetic-speech recipe: a corpus spoken by eSpeak NG (PyPI `espeakng-loader`).
 
     python recipes/synth/local/synthesize.py --out-dir DATA --num-train N --num-dev M --num-test K \\
-        [--seed S] [--text FILE] [--jobs J] [--dev-accents en-029,en-gb-x-gbcwmd]
+        [--num-dev-near M'] [--seed S] [--text FILE] [--jobs J] [--dev-accents en-029,en-gb-x-gbcwmd]
         [--test-accents en-gb-scotland,en-us-nyc] [--spliced F] [--random-words F] [--lm-sentences N]
         [--lm-clauses N]
 
-writes DATA/wav/<split>/<id>.flac (16 kHz mono 16-bit FLAC) and DATA/{train,dev,test}.jsonl,
+writes DATA/wav/<split>/<id>.flac (16 kHz mono 16-bit FLAC) and DATA/{train,dev,test,dev_near}.jsonl,
 manifests in the DESIGN.md format: {"id", "audio" (relative to DATA), "duration" (frames / 16000,
 exact), "text" (normalized), "speaker" ("<accent>+<variant>")}, sorted by id; with the generator,
 also DATA/lm_text.txt: more sentences of the training templates, then sentences of a clause grammar
@@ -30,9 +30,12 @@ seed, make_text.dev_templates), spoken only in the dev accents, with dev's unsee
 sentences of the test templates, spoken only in the test accents, with test's unseen words
 (make_text.unseen_words: words that no training, dev or LM sentence holds). The accents are whole
 eSpeak language voices, not variants of trained ones; local/accents.py measures how far apart they
-are. Every utterance draws its voice variant, speed (words per minute), pitch, pitch range, volume
-and edge silences at random; the plan is deterministic given the seed (the samples are not
-bit-exact: eSpeak keeps state between utterances).
+are. Beside dev, dev_near: dev's sentences (the first --num-dev-near) spoken in the training
+accents by voice variants that training never uses (NEAR_VARIANTS): the gap of a new voice alone,
+where dev adds new pronunciations (local/festival.py makes the third dev set, dev_synth: a
+synthesizer never heard). Every utterance draws its voice variant, speed (words per minute),
+pitch, pitch range, volume and edge silences at random; the plan is deterministic given the seed
+(the samples are not bit-exact: eSpeak keeps state between utterances).
 
 Re-running is cheap: a FLAC whose stored plan key matches is kept; files are written to a
 temporary name and renamed, and manifests are written last, atomically. A kept FLAC keeps its
@@ -86,7 +89,10 @@ from make_text import (  # noqa: E402 (this script's folder)
 from asr.fileio import atomic_open  # noqa: E402
 
 SAMPLE_RATE = 16000
-SPLITS = ("train", "dev", "test")
+SPLITS = ("train", "dev", "test")  # the three worlds
+# and dev's sentences (its first --num-dev-near) again, spoken in the training accents by the voice
+# variants training never uses (NEAR_VARIANTS): the acoustic gap alone, beside dev's unseen accents
+NEAR = "dev_near"
 
 # English language voices of eSpeak NG 1.52 (espeak-ng-data/lang/gmw). en-shaw is left out: it is
 # "en" meant for the Shavian alphabet and sounds the same on Latin text.
@@ -103,6 +109,11 @@ VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3"
             "Mike", "Michael", "Mario", "adam", "benjamin", "david", "edward", "linda", "belinda",
             "aunty", "steph", "paul", "robert", "quincy", "rob", "travis", "victor", "max",
             "boris", "gustave", "ed", "grandpa", "grandma", "shelby")
+# Variants held out of training, for dev_near (the training accents in voices never trained): two
+# male, two female (formant and pitch shifts of the kind training has plenty of) and one of the Klatt
+# engine's four. dev and test use every variant of their own accents, as before.
+NEAR_VARIANTS = ("m3", "Andy", "f2", "linda", "klatt3")
+TRAIN_VARIANTS = tuple(v for v in VARIANTS if v not in NEAR_VARIANTS)
 RATE_WPM = (130, 200)      # espeakRATE, words per minute (eSpeak's default is 175)
 PITCH = (25, 75)           # espeakPITCH, 0-100 (default 50)
 PITCH_RANGE = (20, 80)     # espeakRANGE, 0-100 (default 50)
@@ -188,9 +199,21 @@ class Utt:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
 
-def voices(accents: tuple[str, ...]) -> list[str]:
+def voices(accents: tuple[str, ...], variants: tuple[str, ...] = VARIANTS) -> list[str]:
     """Every accent with every variant: ["en-us", "en-us+m1", ...]."""
-    return [f"{a}+{v}" if v else a for a in accents for v in VARIANTS]
+    return [f"{a}+{v}" if v else a for a in accents for v in variants]
+
+
+def split_variants(split: str) -> tuple[str, ...]:
+    """The variants a split's voices use: train, all but NEAR_VARIANTS; dev_near, those only; dev
+    and test, every one."""
+    return {"train": TRAIN_VARIANTS, NEAR: NEAR_VARIANTS}.get(split, VARIANTS)
+
+
+def split_voices(split: str, accents: tuple[str, ...]) -> list[str]:
+    """The voices a split's utterances are dealt from: its accents in its variants (split_variants);
+    dev_near's accents are the training ones."""
+    return voices(accents, split_variants(split))
 
 
 def plan_split(split: str, texts: list[str], voice_list: list[str], seed: int) -> list[Utt]:
@@ -251,11 +274,12 @@ def corpus_card(texts: dict[str, list[str]], seed: int, accents: dict[str, tuple
         tokens = [w for s in sentences for w in s.split()]
         entry: dict[str, Any] = {"accents": list(accents[split]), "sentences": len(sentences),
                                  "words": len(tokens), "distinct_words": len(set(tokens))}
+        entry["variants"] = list(split_variants(split))
         if generated:
             entry["templates"] = {"train": len(TRAIN_TEMPLATES) - DEV_TEMPLATE_COUNT, "dev": DEV_TEMPLATE_COUNT,
-                                  "test": len(TEST_TEMPLATES)}[split]
+                                  NEAR: DEV_TEMPLATE_COUNT, "test": len(TEST_TEMPLATES)}[split]
             if split != "train":
-                unseen = unseen_words(split, seed)
+                unseen = unseen_words("dev" if split == NEAR else split, seed)  # dev_near: dev's sentences
                 entry["unseen_words"] = sum(w in unseen for w in tokens)
                 entry["unseen_distinct_words"] = len(unseen & set(tokens))
         card["splits"][split] = entry
@@ -459,8 +483,14 @@ class ESpeak:
 def spoken_text(utt: Utt) -> str:
     """What eSpeak is given: the manifest text in lower case, ended as a sentence. The same words
     as the manifest's, one for one (no number or symbol is left to expand: speakable spelled them
-    out before the manifest), so an event's word is found by its character position here."""
-    return utt.text.lower() + "."
+    out before the manifest), so an event's word is found by its character position here.
+    local/festival.py gives Festival the same text."""
+    return engine_text(utt.text)
+
+
+def engine_text(text: str) -> str:
+    """A manifest text as a synthesizer is given it (spoken_text)."""
+    return text.lower() + "."
 
 
 def speak(utt: Utt, engine: ESpeak) -> Speech:
@@ -482,15 +512,22 @@ def render(utt: Utt, engine: ESpeak, resampler: Resampler) -> Rendered:
     noise at utt.snr_db below the speech's RMS (drawn from a generator seeded by the plan key); and
     when its words start in it (timed_words)."""
     speech = speak(utt, engine)
-    y = resampler(speech.samples.astype(np.float32))
-    lead, tail = (np.zeros(round(s * SAMPLE_RATE), np.float32) for s in (utt.lead, utt.tail))
-    y = np.concatenate([lead, y, tail])
+    samples = with_edges_and_noise(resampler(speech.samples.astype(np.float32)), utt.lead, utt.tail, utt.snr_db,
+                                   utt.key)
+    return Rendered(samples, timed_words(utt, speech, engine.sample_rate))
+
+
+def with_edges_and_noise(y: np.ndarray, lead: float, tail: float, snr_db: float, key: str) -> np.ndarray:
+    """(T,) float32 speech at SAMPLE_RATE in int16 units -> int16: `lead` and `tail` seconds of
+    silence around it, under white noise snr_db below the RMS of its nonzero samples, drawn from a
+    generator seeded by the plan key (hex)."""
+    before, after = (np.zeros(round(s * SAMPLE_RATE), np.float32) for s in (lead, tail))
+    y = np.concatenate([before, y, after])
     voiced = y[np.abs(y) > 0]
     rms = float(np.sqrt(np.mean(np.square(voiced, dtype=np.float64)))) if voiced.size else 0.0
-    noise = np.random.default_rng(int(utt.key[:16], 16)).standard_normal(y.size)
-    y = y + noise * (rms * 10.0 ** (-utt.snr_db / 20.0))
-    samples = np.clip(np.rint(y), -32768, 32767).astype(np.int16)
-    return Rendered(samples, timed_words(utt, speech, engine.sample_rate))
+    noise = np.random.default_rng(int(key[:16], 16)).standard_normal(y.size)
+    y = y + noise * (rms * 10.0 ** (-snr_db / 20.0))
+    return np.clip(np.rint(y), -32768, 32767).astype(np.int16)
 
 
 def word_starts(text: str, spoken: str, events: tuple[WordEvent, ...], rate: int, offset: float,
@@ -665,33 +702,62 @@ def check_voices(test_accents: tuple[str, ...], dev_accents: tuple[str, ...] = D
         raise SynthError(f"{variant_dir}: no voice variants {', '.join(missing)}")
 
 
-def synthesize_corpus(out_dir: Path, num: dict[str, int], *, seed: int = 0, text_file: Path | None = None,
+class CorpusPlan(NamedTuple):
+    texts: dict[str, list[str]]  # split -> its sentences
+    accents: dict[str, tuple[str, ...]]  # split -> the accents its voices speak
+    utts: dict[str, list[Utt]]  # split -> its utterances (plan_split)
+
+
+def plan_corpus(num: dict[str, int | None], *, seed: int = 0, text_file: Path | None = None,
+                test_accents: tuple[str, ...] = TEST_ACCENTS, dev_accents: tuple[str, ...] = DEV_ACCENTS,
+                spliced: float = SPLICED, random_words: float = RANDOM_WORDS) -> CorpusPlan:
+    """Every split's sentences, accents and utterances (SPLITS and NEAR). num: utterances of
+    "train", "dev" and "test", and of "dev_near" (absent or None: none; the command line's default
+    is as many as dev): dev's first sentences again, in the training accents with NEAR_VARIANTS only
+    (split_voices)."""
+    check_voices(test_accents, dev_accents)
+    near = num.get(NEAR) or 0
+    if not 0 <= near <= num["dev"]:
+        raise SynthError(f"--num-dev-near {near}: dev_near speaks dev's sentences, "
+                         f"choose 0 to --num-dev = {num['dev']}")
+    texts = file_texts(text_file, num, seed) if text_file else generated_texts(num, seed, spliced, random_words)
+    texts[NEAR] = texts["dev"][:near]
+    train_accents = tuple(a for a in ACCENTS if a not in test_accents + dev_accents)
+    accents = {"train": train_accents, "dev": dev_accents, "test": test_accents, NEAR: train_accents}
+    return CorpusPlan(texts, accents,
+                      {s: plan_split(s, texts[s], split_voices(s, accents[s]), seed) for s in (*SPLITS, NEAR)})
+
+
+def synthesize_corpus(out_dir: Path, num: dict[str, int | None], *, seed: int = 0, text_file: Path | None = None,
                       jobs: int = 1, test_accents: tuple[str, ...] = TEST_ACCENTS,
                       dev_accents: tuple[str, ...] = DEV_ACCENTS,
                       spliced: float = SPLICED, random_words: float = RANDOM_WORDS,
                       lm_count: int = LM_SENTENCES, lm_clause_count: int = LM_CLAUSES) -> dict[str, list[Utt]]:
-    """Plan, synthesize and write the corpus; returns the plan of each split. With the generator
-    (no text_file), also writes lm_count sentences of the training templates (lm_sentences) and
+    """Plan (plan_corpus), synthesize and write the corpus; returns the plan of each split. dev_near
+    is written when num asks for it (else an earlier run's is removed). With the generator (no
+    text_file), also writes lm_count sentences of the training templates (lm_sentences) and
     lm_clause_count of the clause grammar (lm_clauses) for the word LM to lm_text.txt."""
-    check_voices(test_accents, dev_accents)
+    texts, accents, plan = plan_corpus(num, seed=seed, text_file=text_file, test_accents=test_accents,
+                                       dev_accents=dev_accents, spliced=spliced, random_words=random_words)
     out_dir.mkdir(parents=True, exist_ok=True)
-    texts = file_texts(text_file, num, seed) if text_file else generated_texts(num, seed, spliced, random_words)
-    accents = {"train": tuple(a for a in ACCENTS if a not in test_accents + dev_accents), "dev": dev_accents,
-               "test": test_accents}
-    plan = {s: plan_split(s, texts[s], voices(accents[s]), seed) for s in SPLITS}
-    all_utts = [u for s in SPLITS for u in plan[s]]
+    splits = SPLITS + ((NEAR,) if plan[NEAR] else ())
+    if not plan[NEAR]:
+        for stale in (out_dir / f"{NEAR}.jsonl", words_path(out_dir, NEAR)):
+            stale.unlink(missing_ok=True)
+    all_utts = [u for s in splits for u in plan[s]]
     earlier = {}
-    for split in SPLITS:
+    for split in splits:
         earlier.update(read_words(words_path(out_dir, split)))
     started = time.time()
     done = run_plan(all_utts, out_dir, jobs, earlier)
     elapsed = time.time() - started
     frames = {uid: d.frames for uid, d in done.items()}
-    for split in SPLITS:
+    for split in splits:
         write_words(words_path(out_dir, split), plan[split], done)
         write_manifest(out_dir / f"{split}.jsonl", plan[split], frames)
     with atomic_open(out_dir / "corpus.json") as f:
-        f.write(json.dumps(corpus_card(texts, seed, accents, text_file is None), indent=1) + "\n")
+        card = corpus_card({s: texts[s] for s in splits}, seed, accents, text_file is None)
+        f.write(json.dumps(card, indent=1) + "\n")
     lm_text = out_dir / "lm_text.txt"
     if text_file or not lm_count + lm_clause_count:
         lm_text.unlink(missing_ok=True)  # not one of an earlier run with the generator
@@ -717,6 +783,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-train", type=int, required=True)
     parser.add_argument("--num-dev", type=int, required=True)
     parser.add_argument("--num-test", type=int, required=True)
+    parser.add_argument("--num-dev-near", type=int,
+                        help="dev sentences (the first of them) also spoken in the training accents by the "
+                             f"voice variants training never uses ({', '.join(NEAR_VARIANTS)}) into "
+                             "dev_near.jsonl (default: all of dev's; 0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--text", type=Path, help="sentences to speak instead of the generator's, one per line")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
@@ -734,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lm-clauses", type=int, default=LM_CLAUSES,
                         help="sentences of the clause grammar then written to lm_text.txt (not with --text)")
     args = parser.parse_args(argv)
-    num = {"train": args.num_train, "dev": args.num_dev, "test": args.num_test}
+    num = {"train": args.num_train, "dev": args.num_dev, "test": args.num_test,
+           "dev_near": args.num_dev if args.num_dev_near is None else args.num_dev_near}
     if min(num.values()) < 0 or min(args.lm_sentences, args.lm_clauses) < 0:
         parser.error("utterance and sentence counts must be >= 0")
     for name in ("spliced", "random_words"):
