@@ -6,13 +6,15 @@ included) and utterances of the global batch; a validation sums the same losses 
 accuracy, and decodes a fixed subset of the valid set greedily for CER and WER. Both report the
 two losses per target token (so that training and validation curves compare, and a CTC loss near
 ln V, chance, says the model is not learning: `not_learning`). Batches are Batches of features,
-or WaveBatches of waveforms whose features its DeviceFrontend computes on the training device.
+or WaveBatches of waveforms whose features its DeviceFrontend computes on the training device;
+`stage` makes either a StagedBatch: features and targets on the device, lengths on the host (the
+model copies them over itself, and its CTC reads them there without waiting for the device).
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from asr.tokenizer import Tokenizer
 from asr.tokens import FIRST_TOKEN
 from asr.train_task import Autocast, Unit
 
-__all__ = ["AUDIO", "ASRTask"]
+__all__ = ["AUDIO", "ASRTask", "StagedBatch"]
 
 log = logging.getLogger("asr.train")
 
@@ -41,6 +43,17 @@ AUDIO = Unit(name="seconds", symbol="s", example="utterance", cap_setting="data.
 # not which labels it hears. That plateau sits at about 0.8 ln V; a model that learns falls below
 # 0.5 ln V (recipes/README.md).
 NEAR_CHANCE = 0.7
+
+
+class StagedBatch(NamedTuple):
+    """A micro-batch ready for the model (`ASRTask.stage`): what it computes with on the device,
+    the lengths on the host."""
+
+    ids: list[str]
+    feats: torch.Tensor  # (B, T, D) float32, on the device
+    feat_lens: torch.Tensor  # (B,) int64, on the host
+    tokens: torch.Tensor  # (B, L) int64 padded with -1, on the device
+    token_lens: torch.Tensor  # (B,) int64, on the host
 
 
 class ASRTask:
@@ -74,11 +87,24 @@ class ASRTask:
     def _inputs(self, batch: Batch | WaveBatch, *, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(feats (B, T, D), feat_lens (B,)) on the device: a Batch's, or a WaveBatch's computed there."""
         if isinstance(batch, WaveBatch):
-            if self.frontend is None:
-                raise ValueError("ASRTask: a WaveBatch needs a DeviceFrontend (data.frontend = 'device')")
-            waves = batch.waves.to(self.device, non_blocking=True)
-            return self.frontend(waves, batch.wave_lens, batch.indices, batch.epoch, training)
-        return batch.feats.to(self.device, non_blocking=True), batch.feat_lens.to(self.device)
+            return self._wave_feats(batch, training=training)
+        return batch.feats.to(self.device, non_blocking=True), batch.feat_lens.to(self.device, non_blocking=True)
+
+    def _wave_feats(self, batch: WaveBatch, *, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.frontend is None:
+            raise ValueError("ASRTask: a WaveBatch needs a DeviceFrontend (data.frontend = 'device')")
+        waves = batch.waves.to(self.device, non_blocking=True)
+        return self.frontend(waves, batch.wave_lens, batch.indices, batch.epoch, training)
+
+    def _staged(self, batch: Batch | WaveBatch, *, training: bool) -> StagedBatch:
+        """The batch as the model takes it: features and targets copied (or computed) on the device
+        without blocking the host, the lengths left on the host."""
+        if isinstance(batch, WaveBatch):
+            feats = self._wave_feats(batch, training=training)[0]
+        else:
+            feats = batch.feats.to(self.device, non_blocking=True)
+        tokens = batch.tokens.to(self.device, non_blocking=True)
+        return StagedBatch(batch.ids, feats, self._feat_lens(batch), tokens, batch.token_lens)
 
     def _feat_lens(self, batch: Batch | WaveBatch) -> torch.Tensor:
         """(B,) frames, on the host."""
@@ -88,13 +114,21 @@ class ASRTask:
         """(target tokens incl. eos, utterances)."""
         return [sum(float(b.token_lens.sum()) + len(b.ids) for b in group), sum(len(b.ids) for b in group)]
 
-    def loss(self, model: torch.nn.Module, batch: Batch | WaveBatch,
-             counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(self, batch: Batch | WaveBatch) -> StagedBatch:
+        """The training micro-batch as `loss` takes it (asr.train_task.Task.stage): a WaveBatch's
+        training features (dither, CMVN, SpecAugment) computed on the device; the utterances CTC
+        cannot align reported (once per id, from the lengths on the host)."""
         if batch.ids:
             self._report_ctc_skips(batch)
-        feats, feat_lens = self._inputs(batch, training=True)
-        tokens, token_lens = batch.tokens.to(self.device, non_blocking=True), batch.token_lens.to(self.device)
-        out = model(feats, feat_lens, tokens, token_lens, num_tokens=counts[0], num_utts=counts[1])
+        return self._staged(batch, training=True)
+
+    def loss(self, model: torch.nn.Module, batch: StagedBatch | Batch | WaveBatch,
+             counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss of a StagedBatch (a Batch or WaveBatch is staged here first)."""
+        if not isinstance(batch, StagedBatch):
+            batch = self.stage(batch)
+        out = model(batch.feats, batch.feat_lens, batch.tokens, batch.token_lens, num_tokens=counts[0],
+                    num_utts=counts[1])
         correct = out.accuracy.detach().double() * out.num_tokens
         ctc_per_token = out.ctc_loss.detach().double() * (counts[1] / counts[0])
         return out.loss, torch.stack([out.loss.detach().double(), out.att_loss.detach().double(), ctc_per_token,
@@ -174,9 +208,8 @@ class ASRTask:
 
     def validation(self, model: torch.nn.Module, batch: Batch | WaveBatch) -> torch.Tensor:
         one = torch.ones((), device=self.device)
-        feats, feat_lens = self._inputs(batch, training=False)
-        out = model(feats, feat_lens, batch.tokens.to(self.device), batch.token_lens.to(self.device),
-                    num_tokens=one, num_utts=one)
+        staged = self._staged(batch, training=False)
+        out = model(staged.feats, staged.feat_lens, staged.tokens, staged.token_lens, num_tokens=one, num_utts=one)
         return torch.stack([out.att_loss.double(), out.ctc_loss.double(), out.accuracy.double() * out.num_tokens,
                             torch.as_tensor(out.num_tokens, dtype=torch.float64, device=self.device),
                             torch.as_tensor(out.num_utts, dtype=torch.float64, device=self.device)])

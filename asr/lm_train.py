@@ -256,21 +256,28 @@ class LMTask:
         self.sos = self.eos = model.config.vocab_size - 1
 
     def _sums(self, model: torch.nn.Module, batch: TextBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(summed negative log-likelihood, correct argmax count, target count) of a batch."""
-        tokens, lens = batch.tokens.to(self.device, non_blocking=True), batch.token_lens.to(self.device)
+        """(summed negative log-likelihood, correct argmax count, target count) of a batch. Padded
+        targets are masked, not selected out: a selection is sized by the data, which on a GPU is a
+        host synchronization."""
+        batch = self.stage(batch)
+        tokens, lens = batch.tokens, batch.token_lens
         sos = tokens.new_full((tokens.size(0), 1), self.sos)
         inputs = torch.cat([sos, tokens], dim=1)  # (B, L + 1)
         targets = torch.cat([tokens, tokens.new_full((tokens.size(0), 1), -1)], dim=1)
         targets = targets.scatter(1, lens[:, None], self.eos)  # (B, L + 1): y1 .. yn eos -1 ...
         log_probs = model(inputs)  # (B, L + 1, V)
         valid = targets >= 0
-        log_probs, targets = log_probs[valid], targets[valid]
-        nll = F.nll_loss(log_probs, targets, reduction="sum")
-        return nll, (log_probs.argmax(-1) == targets).sum(), valid.sum()
+        nll = F.nll_loss(log_probs.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="sum")
+        return nll, ((log_probs.argmax(-1) == targets) & valid).sum(), valid.sum()
 
     def counts(self, group: list[TextBatch]) -> list[float]:
         """(target tokens, eos included)."""
         return [sum(float(b.token_lens.sum()) + len(b.ids) for b in group)]
+
+    def stage(self, batch: TextBatch) -> TextBatch:
+        """The batch's tensors on the device, copied without blocking the host (a no-op for a staged one)."""
+        return TextBatch(batch.ids, batch.tokens.to(self.device, non_blocking=True),
+                         batch.token_lens.to(self.device, non_blocking=True))
 
     def loss(self, model: torch.nn.Module, batch: TextBatch, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nll, correct, _ = self._sums(model, batch)

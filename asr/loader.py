@@ -30,16 +30,22 @@ from asr.manifest import Utterance
 from asr.sampler import DurationBucketSampler
 from asr.tokenizer import Tokenizer
 
-__all__ = ["ASRDataLoader", "DataConfig", "compute_cmvn", "make_loader", "select_by_duration"]
+__all__ = ["AUTO_CPU_SECONDS", "ASRDataLoader", "DataConfig", "compute_cmvn", "make_loader", "select_by_duration"]
 
 logger = logging.getLogger(__name__)
+
+AUTO_CPU_SECONDS = 200.0  # data.max_batch_seconds "auto" where there is no GPU to probe: the default cap
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Batching and augmentation knobs (the `data` section of a training config)."""
 
-    max_batch_seconds: float = 200.0  # padded seconds per batch and rank (longest x count)
+    # padded seconds per batch and rank (longest x count); "auto" (training, with a global batch): the
+    # largest micro-batch the training GPU holds for the longest utterances, probed when a run starts
+    # and kept for its resumes (asr.train_config.auto_micro_batch); AUTO_CPU_SECONDS on other devices;
+    # either lowered to divide training.global_batch_seconds per process
+    max_batch_seconds: float | Literal["auto"] = 200.0
     num_buckets: int = 30  # duration buckets of the sampler
     num_workers: int = 2  # loader processes (0: load in the training process)
     min_duration: float = 0.0  # shorter utterances left out (logged), seconds
@@ -149,8 +155,9 @@ def _worker_init(worker_id: int) -> None:
 class ASRDataLoader(DataLoader):
     """The loader of `make_loader`, built once for a whole run: Batches of this rank for the epoch
     and resume point chosen by `set_epoch`. Worker processes (config.num_workers) persist from
-    one epoch to the next. Each skipped utterance is recorded in `skipped` {id: reason} and
-    logged the first time this process sees it (with id and reason)."""
+    one epoch to the next, and start on an epoch when it is iterated. Each skipped utterance is
+    recorded in `skipped` {id: reason} and logged the first time this process sees it (with id and
+    reason)."""
 
     _reported: ClassVar[set[str]] = set()  # ids already logged in this process, over all loaders
 
@@ -185,7 +192,13 @@ class ASRDataLoader(DataLoader):
         return len(self.batches)
 
     def __iter__(self) -> Iterator[Batch]:
-        for batch, skipped in super().__iter__():
+        """The epoch's batches; the worker processes start loading the first ones at this call
+        (not at the first `next`), so an iterator made ahead of time (the trainer makes the next
+        epoch's during validation) has them ready."""
+        return self._reporting(super().__iter__())
+
+    def _reporting(self, collated: Iterator[_Collated]) -> Iterator[Batch]:
+        for batch, skipped in collated:
             for utt_id, reason in skipped:
                 self.skipped[utt_id] = reason
                 if utt_id not in self._reported:
@@ -216,7 +229,10 @@ def make_loader(
     batch). Otherwise: batches sorted by duration, no augmentation. Utterances outside
     [min_duration, max_duration] or longer than the batch cap are left out (logged once, on
     rank 0). With `archive`, features it holds are read from it (see ASRDataset). `step_group`:
-    the micro-batches of one optimizer step over all ranks (see DurationBucketSampler)."""
+    the micro-batches of one optimizer step over all ranks (see DurationBucketSampler). The cap is
+    a number here: a run resolves "auto" (asr.train_asr, asr.trainer) and passes its value."""
+    if config.max_batch_seconds == "auto":
+        raise ValueError("make_loader: data.max_batch_seconds 'auto' is the trainer's to resolve; pass the number")
     if training and config.speed_perturb:
         utts = speed_perturb(utts, config.speed_perturb)
     utts = select_by_duration(utts, config.min_duration, config.max_duration, report=rank == 0)

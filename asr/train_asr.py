@@ -5,11 +5,13 @@
 hands asr.trainer.run_experiment a `SpeechExperiment`, whose `build` reads like its table of
 contents: read the manifests, check or save EXP/config.yaml, take the tokenizer and the CMVN
 statistics (given, or built in EXP: asr.train_setup), build the model and its run, counted in
-seconds of audio (asr.asr_task.AUDIO). Its `parts` are the loop's: the task (asr.asr_task.ASRTask,
-with a fixed subset of the valid set to decode and the utterances whose attention pictures are
-drawn), the loaders (asr.loader: micro-batches of the run's batch plan), and, for the first epochs
-of the length curriculum (training.split_hours, asr.curriculum), a loader of the utterances cut
-into pieces. The model file it saves is DESIGN.md's (config, frontend with CMVN, tokenizer).
+seconds of audio (asr.asr_task.AUDIO), its micro-batch data.max_batch_seconds or, for "auto", the
+largest a GPU holds (`probe_micro_batch`; AUTO_CPU_SECONDS elsewhere). Its `parts` are the loop's:
+the task (asr.asr_task.ASRTask, with a fixed subset of the valid set to decode and the utterances
+whose attention pictures are drawn), the loaders (asr.loader: micro-batches of the run's batch
+plan), and, for the first epochs of the length curriculum (training.split_hours, asr.curriculum), a
+loader of the utterances cut into pieces. The model file it saves is DESIGN.md's (config, frontend
+with CMVN, tokenizer).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from asr.asr_task import AUDIO, ASRTask
-from asr.checkpoint import check_or_save_config, model_file
+from asr.checkpoint import TrainingError, check_or_save_config, model_file
 from asr.config import to_dict
 from asr.corpora import speed_perturb
 from asr.curriculum import split_epochs, split_utterances
@@ -29,9 +31,11 @@ from asr.device_frontend import DeviceFrontend
 from asr.distributed import Context
 from asr.feature_archive import FeatureArchive
 from asr.features import GlobalCMVN
-from asr.loader import make_loader
+from asr.loader import AUTO_CPU_SECONDS, make_loader
 from asr.manifest import read_manifest
 from asr.model import build_model
+from asr.tokens import FIRST_TOKEN
+from asr.train_config import auto_micro_batch, dividing_cap
 from asr.train_setup import (
     ExperimentConfig,
     batch_plan,
@@ -40,10 +44,11 @@ from asr.train_setup import (
     experiment_tokenizer,
     feature_archive,
     label_rate,
+    longest_example,
 )
-from asr.trainer import Loaders, Run, State, make_run, run_experiment
+from asr.trainer import AutoMicroBatch, Loaders, Run, State, make_run, run_experiment
 
-__all__ = ["SpeechExperiment", "train"]
+__all__ = ["SpeechExperiment", "probe_micro_batch", "train"]
 
 log = logging.getLogger("asr.train")
 
@@ -83,8 +88,31 @@ class SpeechExperiment:
         self.config = dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                             vocab_size=self.tokenizer.vocab_size))
         model = build_model(self.config.model, tokens_per_second=rate)
-        return make_run(self.training, model, exp, ctx, batch_plan(self.config, ctx.world_size), unit=AUDIO,
-                        envelope=self.envelope, final_name="model_last.pt")
+        plan: Any = batch_plan(self.config, ctx.world_size) if config.data.max_batch_seconds != "auto" else (
+            AutoMicroBatch(probe=self._probe, plan=lambda cap: batch_plan(self.config, ctx.world_size, cap)))
+        return make_run(self.training, model, exp, ctx, plan, unit=AUDIO, envelope=self.envelope,
+                        final_name="model_last.pt")
+
+    def _probe(self, run: Run) -> float:
+        """data.max_batch_seconds "auto": this process's micro-batch, probed on a GPU, else
+        AUTO_CPU_SECONDS; either lowered to divide the step."""
+        global_batch, world = self.training.global_batch_seconds, run.ctx.world_size
+        longest, tokens = longest_example(self.config, self.tokenizer, self.train_utts)
+        if run.ctx.device.type != "cuda":
+            cap = dividing_cap(AUTO_CPU_SECONDS, global_batch, world)
+            log.info("data.max_batch_seconds auto: no GPU to probe on %s: AUTO_CPU_SECONDS (%g s) lowered to divide "
+                     "the step", run.ctx.device, AUTO_CPU_SECONDS)
+            if cap < longest:
+                raise TrainingError(f"data.max_batch_seconds auto: {cap:g} s on {run.ctx.device} is less than the "
+                                    f"longest training utterance ({longest:.1f} s); set data.max_batch_seconds by hand")
+            return cap
+        log.info("data.max_batch_seconds auto: probing %s with batches of the longest utterance (%.1f s, %d tokens)",
+                 run.ctx.device, longest, tokens)
+        try:
+            return probe_micro_batch(run, longest=longest, tokens=tokens, global_batch=global_batch)
+        except ValueError as e:
+            raise TrainingError(f"data.max_batch_seconds auto: {e} (seconds); set a smaller data.max_duration, or "
+                                "data.max_batch_seconds by hand") from None
 
     def envelope(self, model: torch.nn.Module) -> dict[str, Any]:
         """The model file (DESIGN.md) of `model`'s weights."""
@@ -109,6 +137,8 @@ class SpeechExperiment:
         if training:
             data = dataclasses.replace(data, max_batch_seconds=run.plan.micro_batch)
             group = run.plan.group
+        else:  # the config's cap, or the one "auto" found
+            data = dataclasses.replace(data, max_batch_seconds=run.plan.cap)
         return make_loader(utts, self.tokenizer, data, training=training, cmvn=self.cmvn,
                            seed=self.training.seed, rank=ctx.rank if sharded else 0,
                            world_size=ctx.world_size if sharded else 1, pin_memory=ctx.device.type == "cuda",
@@ -150,6 +180,44 @@ class SpeechExperiment:
         return ASRTask(run.model, self.tokenizer, data.features, self.config.model.ctc_weight, run.ctx.device,
                        decode_loader=loader, decode_text={u.id: u.text for u in subset}, frontend=frontend,
                        picture_loader=pictures, check_after=tc.plateau_check_hours * 3600)
+
+
+def probe_micro_batch(run: Run, *, longest: float, tokens: int, global_batch: float) -> float:
+    """The micro-batch cap (asr.train_config.auto_micro_batch) of run.ctx.device (CUDA): a forward
+    and backward of the run's model under its precision, on n utterances of `longest` seconds and
+    `tokens` targets each (random features), fits when it does not run out of memory. Torch's random
+    states are left as they were (the probe draws dropout); the gradients it made are dropped."""
+    device, model = run.ctx.device, run.model
+    n_mels, vocab = model.config.n_mels, model.config.vocab_size
+    frames = int(longest * 1000 / model.config.frame_shift_ms)
+
+    def step(n: int) -> None:
+        feats = torch.randn(n, frames, n_mels, device=device)
+        targets = torch.randint(FIRST_TOKEN, vocab - 1, (n, tokens), device=device)
+        with run.autocast():
+            out = model(feats, torch.full((n,), frames), targets, torch.full((n,), tokens))
+        out.loss.backward()
+        torch.cuda.synchronize(device)
+
+    def attempt(n: int) -> bool:
+        try:
+            step(n)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+
+    def fits(seconds: float) -> bool:
+        ok = attempt(max(1, int(seconds / longest + 1e-9)))  # its tensors are freed once it has returned
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()  # the probe's blocks, of sizes no step asks for again
+        return ok
+
+    with torch.random.fork_rng(devices=[device]):
+        model.train()
+        cap = auto_micro_batch(fits, longest=longest, global_batch=global_batch, world_size=run.ctx.world_size)
+    log.info("data.max_batch_seconds auto: %g s per micro-batch on %s (%.1f GiB)", cap, device,
+             torch.cuda.get_device_properties(device).total_memory / 2**30)
+    return cap
 
 
 def _spaced(utts: list, n: int) -> list:

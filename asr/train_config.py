@@ -1,18 +1,27 @@
 """The `training:` section of a config file, which every task's config shares (asr train's
 asr.train_setup.ExperimentConfig, asr lm's asr.lm_train.LMExperimentConfig); how a step is cut
-into micro-batches for a number of processes (`plan_batches`); and the learning rate of each step.
-Sizes are in the task's unit (asr.train_task.Unit): padded seconds of audio, padded tokens of text.
+into micro-batches for a number of processes (`plan_batches`), and the micro-batch a device holds
+(`auto_micro_batch`); and the learning rate of each step. Sizes are in the task's unit
+(asr.train_task.Unit): padded seconds of audio, padded tokens of text.
 
     plan = plan_batches(global_batch=480.0, cap=60.0, accum_grad=1, world_size=8)  # 1 micro-batch each
+    cap = auto_micro_batch(fits, longest=35.0, global_batch=4000.0, world_size=1)  # fits(seconds) -> bool
     lr = learning_rate(config.training, step, total_steps(config.training, steps_per_epoch))
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["BatchPlan", "TrainingConfig", "learning_rate", "plan_batches", "total_steps"]
+__all__ = ["AUTO_MARGIN", "BatchPlan", "TrainingConfig", "auto_micro_batch", "dividing_cap", "learning_rate",
+           "plan_batches", "total_steps"]
+
+# The share of the largest micro-batch that fitted which `auto_micro_batch` keeps: room for what the
+# probe's forward and backward do not hold (the optimizer's state, made at the first step; the next
+# micro-batch, staged while one computes; the allocator's fragmentation over many shapes).
+AUTO_MARGIN = 0.85
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class TrainingConfig:
     global_batch_seconds: float = 0.0
     accum_grad: int = 1  # micro-batches per process and optimizer step, without global_batch_seconds
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs that have it
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the model's blocks (asr.trainer.compile_blocks)
     checkpoint_every: int = 1000  # optimizer steps between mid-epoch checkpoints (0: epoch ends only)
     keep_last: int = 5  # checkpoints kept by recency
     keep_best: int = 10  # epoch checkpoints kept by validation loss (for `asr average`)
@@ -97,6 +106,40 @@ def plan_batches(global_batch: float, cap: float, accum_grad: int, world_size: i
         return BatchPlan(world_size, micro // world_size, cap, cap)
     accum = math.ceil(micro / world_size)
     return BatchPlan(world_size, accum, global_batch / (world_size * accum), cap)
+
+
+def auto_micro_batch(fits: Callable[[float], bool], *, longest: float, global_batch: float, world_size: int,
+                     margin: float = AUTO_MARGIN) -> float:
+    """The micro-batch cap for a device: the largest padded size n x `longest` (n >= 1 examples of
+    the longest length, the worst case for memory, which grows with the square of the length) for
+    which `fits(size)` holds (n doubled from 1 until it fails, then bisected; never beyond a
+    process's share of the global batch), times `margin`, lowered to divide that share (the
+    global batch over world_size x k micro-batches, k >= 1), so that the global batch, and with it
+    the schedule, is the same on any device. `fits` must be monotonic (what fits, fits smaller).
+    ValueError when the result is below `longest` (such examples would be left out)."""
+    share = global_batch / world_size
+    most = max(1, math.ceil(share / (margin * longest) - 1e-9))  # examples: more is never needed
+    if not fits(longest):
+        raise ValueError(f"one example of the longest length ({longest:g}) does not fit on the device")
+    good, bad = 1, None
+    while bad is None and good < most:
+        n = min(2 * good, most)
+        good, bad = (n, None) if fits(n * longest) else (good, n)
+    while bad is not None and bad - good > 1:
+        n = (good + bad) // 2
+        good, bad = (n, bad) if fits(n * longest) else (good, n)
+    cap = dividing_cap(margin * good * longest, global_batch, world_size)
+    if cap < longest:
+        raise ValueError(f"{good} example(s) of the longest length ({longest:g}) fit on the device, which leaves "
+                         f"{cap:g} with the {margin:g} margin, less than the longest example")
+    return cap
+
+
+def dividing_cap(most: float, global_batch: float, world_size: int) -> float:
+    """The largest micro-batch cap at most `most` that divides a process's share of the global
+    batch: global_batch / (world_size x k) for the smallest k >= 1."""
+    share = global_batch / world_size
+    return share / math.ceil(share / most - 1e-9)
 
 
 def total_steps(tc: TrainingConfig, steps_per_epoch: int) -> int:

@@ -17,17 +17,19 @@ from typing import Any, Literal
 
 from asr.checkpoint import TrainingError
 from asr.config import ConfigError, from_dict, load_config, to_dict
+from asr.corpora import speed_perturb
 from asr.distributed import Context
 from asr.feature_archive import FeatureArchive, FeatureArchiveError
 from asr.features import CMVNStats
-from asr.loader import DataConfig, compute_cmvn
+from asr.loader import DataConfig, compute_cmvn, select_by_duration
 from asr.metrics import normalize_text
 from asr.model import ModelConfig
 from asr.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from asr.train_config import BatchPlan, TrainingConfig, plan_batches
 
 __all__ = ["ExperimentConfig", "TokenizerConfig", "batch_plan", "check_mel_bins", "completed_config",
-           "experiment_cmvn", "experiment_tokenizer", "feature_archive", "label_rate", "load_experiment_config"]
+           "experiment_cmvn", "experiment_tokenizer", "feature_archive", "label_rate", "load_experiment_config",
+           "longest_example"]
 
 log = logging.getLogger("asr.train")
 
@@ -67,7 +69,11 @@ class ExperimentConfig:
         if tc.attention_plots < 0:
             raise ValueError(f"training.attention_plots must be >= 0 (0: no attention pictures), got "
                              f"{tc.attention_plots}")
-        if tc.global_batch_seconds:
+        if cap == "auto":
+            if not tc.global_batch_seconds:
+                raise ValueError("data.max_batch_seconds 'auto' needs training.global_batch_seconds (the step's size, "
+                                 "which the micro-batch found on the device divides)")
+        elif tc.global_batch_seconds:
             micro = tc.global_batch_seconds / cap
             if tc.accum_grad != 1:
                 raise ValueError("set training.global_batch_seconds or training.accum_grad, not both (the "
@@ -77,11 +83,29 @@ class ExperimentConfig:
                                  f"multiple of data.max_batch_seconds ({cap:g})")
 
 
-def batch_plan(config: ExperimentConfig, world_size: int) -> BatchPlan:
+def batch_plan(config: ExperimentConfig, world_size: int, cap: float | None = None) -> BatchPlan:
     """The steps of `world_size` processes (asr.train_config.plan_batches) in padded seconds of
-    audio: training.global_batch_seconds in micro-batches of data.max_batch_seconds."""
+    audio: training.global_batch_seconds in micro-batches of data.max_batch_seconds, or of `cap`
+    (what "auto" found)."""
     tc = config.training
-    return plan_batches(tc.global_batch_seconds, config.data.max_batch_seconds, tc.accum_grad, world_size)
+    cap = config.data.max_batch_seconds if cap is None else cap
+    if cap == "auto":
+        raise ValueError("batch_plan: data.max_batch_seconds is 'auto': pass the cap found on the device")
+    return plan_batches(tc.global_batch_seconds, cap, tc.accum_grad, world_size)
+
+
+def longest_example(config: ExperimentConfig, tokenizer: Tokenizer, utts: list) -> tuple[float, int]:
+    """(seconds, target tokens) of the longest training utterance (data.speed_perturb's slowed
+    copies and data.min/max_duration counted) and the most tokens of any: the batch the device
+    must hold for data.max_batch_seconds "auto"."""
+    data = config.data
+    if data.speed_perturb:
+        utts = speed_perturb(utts, data.speed_perturb)
+    utts = select_by_duration(utts, data.min_duration, data.max_duration, report=False)
+    if not utts:
+        raise TrainingError("no training utterance is within data.min_duration and data.max_duration")
+    tokens = max(len(tokenizer.encode(normalize_text(u.text))) for u in utts)
+    return max(u.duration for u in utts), tokens
 
 
 def load_experiment_config(path: str, overrides: list[str]) -> ExperimentConfig:

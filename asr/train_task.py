@@ -1,9 +1,15 @@
 """What the training loop (asr.trainer) asks of a task: `Task`, and the `Unit` its work is counted in.
 
-The loop knows a batch only as something with `ids` (its examples); the task knows the rest: the
-loss of a batch and its normalizers, what is logged, what a validation measures, how a batch that
-ran out of memory is split, and what its work is counted in (seconds of audio, tokens). The steps,
-accumulation, skipping, validation and checkpoints of the loop are the same for any task.
+The loop knows a batch only as something with `ids` (its examples); the task knows the rest: how
+a batch is made ready on the device (`stage`), the loss of a batch and its normalizers, what is
+logged, what a validation measures, how a batch that ran out of memory is split, and what its work
+is counted in (seconds of audio, tokens). The steps, accumulation, skipping, validation and
+checkpoints of the loop are the same for any task.
+
+Host and device: `counts`, `amount`, `halves` and `describe` read the batches as the loader gave
+them, on the host; `stage` issues a batch's copies to the device without waiting for them (and the
+task's own work there); `loss` reads nothing back. So a training step waits for the device once,
+for the loop's non-finite check.
 
 Speech recognition's task is asr.asr_task.ASRTask (seconds of audio), language modelling's
 asr.lm_train.LMTask (tokens).
@@ -60,8 +66,17 @@ class Task(Protocol):
     def counts(self, group: list) -> list[float]:
         """The loss normalizers of a step's micro-batches on this rank (the loop sums them over ranks)."""
 
+    def stage(self, batch: Any) -> Any:
+        """A training micro-batch made ready for `loss`: its tensors copied to the device without
+        blocking the host (`non_blocking=True`; the loader pins them on CUDA), and the task's own
+        work on it done or queued there. It reads nothing of the device's, and draws nothing from
+        torch's global generator (dropout's), so the loop may stage a batch while the one before it
+        computes: on CUDA it runs on a side stream (asr.trainer), one micro-batch ahead. What it
+        returns has the batch's `ids`."""
+
     def loss(self, model: torch.nn.Module, batch: Any, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss of one micro-batch divided by the global `counts`, its `step_sums` detached in float64)."""
+        """(the loss of one micro-batch, staged (`stage`), divided by the global `counts`, its
+        `step_sums` detached in float64); no host synchronization."""
 
     def summarize(self, sums: list[float], counts: list[float], steps: int) -> dict[str, float]:
         """The metrics of a train record from `step_sums` and counts summed over `steps` steps."""

@@ -11,10 +11,19 @@ resume from the newest checkpoint, take the experiment's task and loaders, then 
 `compute_validation_loss` and a checkpoint, until a stop condition; then the final model file and
 the curves.
 
-The loop knows batches only through a `Task` (asr.train_task): the loss of a batch and its
-normalizers, the validation's metrics, what to do with a batch that runs out of memory, and the
-unit of its work (seconds of audio, tokens), in which the batch plan, the throughput, the amount
-trained on and the messages speak.
+The loop knows batches only through a `Task` (asr.train_task): how a batch is staged on the
+device, the loss of a batch and its normalizers, the validation's metrics, what to do with a batch
+that runs out of memory, and the unit of its work (seconds of audio, tokens), in which the batch
+plan, the throughput, the amount trained on and the messages speak.
+
+Keeping a GPU busy: a step reads one value back from the device, the gradient norm (the
+non-finite check); everything else is queued without waiting, so the host runs ahead. Each
+micro-batch is staged (`Task.stage`: its copies from pinned memory, speech's frontend) on a side
+CUDA stream while the micro-batch before it computes (`Stager`). The next epoch's loader starts
+reading while the validation runs, so no epoch's first step waits for its data. With
+training.compile the repeated blocks are compiled (`compile_blocks`). A micro-batch cap found on
+the device when the run starts (`AutoMicroBatch`, speech's data.max_batch_seconds: auto) is kept
+in the checkpoints, so a resumed run cuts its steps as before.
 
 The global batch: a step's worth of padded work (training.global_batch_seconds of audio,
 data.global_batch_tokens of text) makes one optimizer step, cut into micro-batches of at most the
@@ -34,13 +43,14 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from asr.checkpoint import TrainingError, clean_experiment, resume, resume_hint, rng_state, save_atomic, save_checkpoint
 from asr.distributed import Context, collective_errors, end_process, setup_process, sigterm_stops
@@ -48,8 +58,9 @@ from asr.train_config import BatchPlan, TrainingConfig, learning_rate, total_ste
 from asr.train_log import TrainLog, plot_curves, progress
 from asr.train_task import Task, Unit
 
-__all__ = ["Experiment", "Loaders", "Run", "State", "compute_validation_loss", "finish_run", "fit", "make_run",
-           "resume_run", "run_experiment", "train_one_epoch", "train_step"]
+__all__ = ["AutoMicroBatch", "Experiment", "Loaders", "Run", "Stager", "State", "compile_blocks",
+           "compiled_graphs", "compute_validation_loss", "finish_run", "fit", "make_run", "resume_run",
+           "run_experiment", "train_one_epoch", "train_step"]
 
 log = logging.getLogger("asr.train")
 
@@ -113,6 +124,18 @@ class Loaders:
 # model, optimizer, schedule, precision, resume
 
 
+@dataclass(frozen=True)
+class AutoMicroBatch:
+    """A micro-batch cap chosen for the device when a run starts (speech: data.max_batch_seconds
+    auto), in place of one the config gives: `probe(run)` is this process's (the largest its device
+    holds, lowered to divide the step: asr.train_config.auto_micro_batch; the loop takes the
+    smallest over the processes), `plan(cap)` the batch plan of a cap. A resumed run keeps the cap
+    of its checkpoint (State.micro_batch) and probes nothing."""
+
+    probe: Callable[[Run], float]
+    plan: Callable[[float], BatchPlan]
+
+
 @dataclass
 class Run:
     """What the loop works with, built once: the model and its optimizer, and where they run."""
@@ -120,15 +143,16 @@ class Run:
     training: TrainingConfig
     exp: Path
     ctx: Context
-    model: torch.nn.Module  # the bare model
-    wrapped: torch.nn.Module  # DDP / compiled wrapper used for forward
+    model: torch.nn.Module  # the bare model (its blocks compiled in place with training.compile)
+    wrapped: torch.nn.Module  # the model, or its DDP wrapper: what a training forward calls
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     autocast_dtype: torch.dtype | None
-    plan: BatchPlan  # in `unit`
+    plan: BatchPlan | None  # in `unit`; None until `resume_run` chooses it, with `auto`
     unit: Unit  # the task's
     envelope: Envelope  # the model file of the current weights
     final_name: str  # EXP/<final_name>: the model file `fit` ends with
+    auto: AutoMicroBatch | None = None
 
     def autocast(self) -> AbstractContextManager:
         """The run's precision for a forward (bf16 / fp16 autocast, or nothing for fp32)."""
@@ -167,20 +191,24 @@ class State:
         return cls(**state)
 
 
-def make_run(training: TrainingConfig, model: torch.nn.Module, exp: Path, ctx: Context, plan: BatchPlan, *,
-             unit: Unit, envelope: Envelope, final_name: str) -> Run:
+def make_run(training: TrainingConfig, model: torch.nn.Module, exp: Path, ctx: Context,
+             plan: BatchPlan | AutoMicroBatch, *, unit: Unit, envelope: Envelope, final_name: str) -> Run:
     """The run of `model` (built after torch.manual_seed(training.seed)): moved to the device,
-    wrapped (compile, DDP), with its optimizer, gradient scaler and precision; the plan logged."""
+    its blocks compiled (training.compile), wrapped in DDP, with its optimizer, gradient scaler and
+    precision; the plan logged (an AutoMicroBatch's once `resume_run` has chosen it)."""
     tc = training
     model = model.to(ctx.device)
     if ctx.rank > 0:  # the same initial weights (DDP copies rank 0's anyway), dropout of its own
         ctx.seed_torch(tc.seed)
-    wrapped = model
     if tc.compile:
-        wrapped = torch.compile(wrapped)
+        blocks = compile_blocks(model)
+        log.info("torch.compile: %d blocks compiled in place (dynamic shapes); their graphs are made at first "
+                 "use and counted after each epoch", blocks)
+    wrapped = model
     if ctx.distributed:
-        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        wrapped = torch.nn.parallel.DistributedDataParallel(wrapped, device_ids=ids)
+        # device_ids None: with them DDP would copy every input to the device first, blocking, the
+        # lengths the model reads on the host too (the module is on one device either way)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
     opt_cls = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.Adam
     # fused: one kernel over all parameters instead of a chain of ops per tensor (the same update
     # to rounding), on a CPU as on a GPU
@@ -192,8 +220,47 @@ def make_run(training: TrainingConfig, model: torch.nn.Module, exp: Path, ctx: C
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, device %s, precision %s, %d process(es)", n_params / 1e6, ctx.device,
              dtype or "fp32", ctx.world_size)
+    if isinstance(plan, AutoMicroBatch):
+        return Run(tc, exp, ctx, model, wrapped, optimizer, scaler, dtype, None, unit, envelope, final_name, plan)
     _log_plan(plan, unit)
     return Run(tc, exp, ctx, model, wrapped, optimizer, scaler, dtype, plan, unit, envelope, final_name)
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile, in place, the blocks of the model's layer stacks (each module of each
+    nn.ModuleList: encoder and decoder layers) that hold no convolution; returns how many.
+
+    Each is compiled with dynamic shapes (batch size and lengths symbolic from the first graph), and
+    the blocks of one class share their graphs, so a run compiles a handful (per block class: one
+    for training, one for evaluation, and each again for a batch of one, which torch specializes)
+    however many lengths its batches have. Left eager: what lies outside the blocks (subsampling,
+    losses: compiled whole, a model breaks its graph at CTC, whose output size depends on the data,
+    and recompiles for new lengths until torch gives up), and blocks holding a convolution (the
+    Conformer's, and a transformer's with model.conv_kernel): torch 2.14's inductor fixes the
+    length in the gradient of a convolution's input (guard_int_seq on its strides in
+    convolution_backward's lowering), so such a block would compile again for every new length.
+    The weights' names do not change (checkpoints and model files are the same)."""
+    blocks = [block for stack in model.modules() if isinstance(stack, torch.nn.ModuleList) for block in stack]
+    compiled = [block for block in blocks if not _holds_convolution(block)]
+    for block in compiled:
+        block.compile(dynamic=True)
+    if len(compiled) < len(blocks):
+        kinds = sorted({type(b).__name__ for b in blocks if _holds_convolution(b)})
+        log.info("torch.compile: %d blocks (%s) hold a convolution and stay eager: compiled, they would recompile "
+                 "for every new length (torch.compile fixes a convolution's input length in its gradient)",
+                 len(blocks) - len(compiled), ", ".join(kinds))
+    return len(compiled)
+
+
+def _holds_convolution(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules())
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has made in this process so far (TorchDynamo's count)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _log_plan(plan: BatchPlan, unit: Unit) -> None:
@@ -224,9 +291,11 @@ def resume_run(run: Run) -> State:
         clean_experiment(run.exp)
     found = resume(run.exp, run.model, run.optimizer, run.scaler, map_location=ctx.device, rank=ctx.rank,
                    world_size=ctx.world_size)
+    state = State() if found is None else State.saved(found.state)
+    if run.auto is not None:
+        _choose_micro_batch(run, state)
     if found is None:
-        return State()
-    state = State.saved(found.state)
+        return state
     log.info("resumed from %s (epoch %d, micro-batch %d, step %d)", found.path, state.epoch + 1, state.batch,
              state.step)
     if found.processes != ctx.world_size:
@@ -235,6 +304,22 @@ def resume_run(run: Run) -> State:
                     "draws from here on differ from an uninterrupted run's", found.processes, ctx.world_size)
     _check_position(run, state)
     return state
+
+
+def _choose_micro_batch(run: Run, state: State) -> None:
+    """run.plan of its AutoMicroBatch: the checkpoint's cap, or the smallest that the processes'
+    probes found (the same on every rank)."""
+    assert run.auto is not None
+    if state.micro_batch:
+        cap = state.micro_batch
+        log.info("%s auto: %g %s, the cap the run started with (from its checkpoint)", run.unit.cap_setting, cap,
+                 run.unit.symbol)
+    else:
+        cap = min(run.ctx.all_gather_object(run.auto.probe(run)))
+        log.info("%s auto: %g %s (the smallest over %d process(es))", run.unit.cap_setting, cap, run.unit.symbol,
+                 run.ctx.world_size)
+    run.plan = run.auto.plan(cap)
+    _log_plan(run.plan, run.unit)
 
 
 def _check_position(run: Run, state: State) -> None:
@@ -288,12 +373,25 @@ def fit(run: Run, state: State, task: Task, loaders: Loaders, logger: TrainLog) 
         loaders.train.set_epoch(0)
         state.total_steps = total_steps(tc, loaders.train.batches.epoch_batches() // run.plan.group)
         log.info("learning-rate schedule over %d steps", state.total_steps)
+    started = None
     while not _why_stop(tc, state):
         train_loader = loaders.of(state.epoch)
-        finished = train_one_epoch(run, state, task, train_loader, logger)  # False: max_steps reached mid-epoch
+        finished = train_one_epoch(run, state, task, train_loader, logger, started)  # False: max_steps reached
         _report_skipped(run, train_loader)
+        if tc.compile:
+            log.info("torch.compile: %d graphs compiled so far", compiled_graphs())
+        # the next epoch's first batches load while the validation runs (and its checkpoint is written)
+        started = _start_epoch(loaders.of(state.epoch + 1), state.epoch + 1) if finished and (
+            state.epoch + 1 < tc.epochs) else None
         _validate_and_checkpoint(run, state, task, loaders.valid, logger, end_of_epoch=finished)
     log.info("training stopped: %s (%d steps, %s)", _why_stop(tc, state), state.step, run.unit.describe(state.trained))
+
+
+def _start_epoch(loader, epoch: int, start_batch: int = 0) -> tuple[int, Iterator]:
+    """(epoch, the loader's iterator from `start_batch` of it): a loader with worker processes
+    starts loading its first batches now."""
+    loader.set_epoch(epoch, start_batch)
+    return epoch, iter(loader)
 
 
 def _why_stop(tc: TrainingConfig, state: State) -> str:
@@ -320,23 +418,27 @@ def _report_skipped(run: Run, loader) -> None:
                     run.unit.example)
 
 
-def train_one_epoch(run: Run, state: State, task: Task, loader, logger: TrainLog) -> bool:
+def train_one_epoch(run: Run, state: State, task: Task, loader, logger: TrainLog,
+                    started: tuple[int, Iterator] | None = None) -> bool:
     """Optimizer steps from the saved position to the end of the epoch; False when max_steps
-    stopped it early."""
+    stopped it early. `started`: (epoch, the loader's iterator) when `fit` started reading this
+    epoch from its beginning already."""
     tc, world = run.training, run.ctx.world_size
     done = state.batch // world  # this rank's micro-batches (the position is a whole number of steps)
-    loader.set_epoch(state.epoch, done)
+    if started is None or started[0] != state.epoch or done:
+        started = _start_epoch(loader, state.epoch, done)
     total = done + len(loader)
     run.model.train()
     logger.start_clock()
+    stager = Stager(task, run.ctx.device)
     group: list = []
     # closed however the epoch ends, so that an error message starts on a line of its own
     with progress(run.ctx.main, total, done, f"epoch {state.epoch + 1}/{tc.epochs}") as bar:
-        for batch in loader:
+        for batch in started[1]:
             group.append(batch)
             if len(group) < run.plan.accum and state.batch // world + len(group) < total:
                 continue
-            train_step(run, state, task, group, logger, bar)
+            train_step(run, state, task, group, logger, bar, stager)
             group = []
             if _max_steps_reached(tc, state):
                 return False
@@ -345,13 +447,15 @@ def train_one_epoch(run: Run, state: State, task: Task, loader, logger: TrainLog
     return True
 
 
-def train_step(run: Run, state: State, task: Task, group: list, logger: TrainLog, bar) -> None:
+def train_step(run: Run, state: State, task: Task, group: list, logger: TrainLog, bar,
+               stager: Stager | None = None) -> None:
     """One optimizer step over the micro-batches `group`, or a skipped one when the gradient
-    norm is not finite or every micro-batch ran out of memory; then its log."""
+    norm is not finite or every micro-batch ran out of memory; then its log. One host
+    synchronization (the gradient norm's), and the log's every training.log_every steps."""
     for g in run.optimizer.param_groups:
         g["lr"] = learning_rate(run.training, state.step, state.total_steps)
     consumed = len(group)
-    norm, sums, group, bad_loss = _accumulate(run, state, task, group)
+    norm, sums, group, bad_loss = _accumulate(run, state, task, group, stager or Stager(task, run.ctx.device))
     if group:  # without a backward there is nothing to unscale (fp16's scaler would refuse)
         run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.training.grad_clip)
@@ -402,17 +506,17 @@ def _check_learning(run: Run, state: State, task: Task, record: dict, logger: Tr
                        f"after {state.step} steps ({run.unit.describe(state.trained)}): {message}", **values)
 
 
-def _accumulate(run: Run, state: State, task: Task,
-                group: list) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor]:
+def _accumulate(run: Run, state: State, task: Task, group: list,
+                stager: Stager) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor]:
     """Forward and backward of the micro-batches of one step: (the global counts, the summed
     `step_sums`, the micro-batches used, how many of their losses were not finite: a tensor, read
     only when the gradients are not finite). In one process, a micro-batch that runs out of memory
     is split in halves and the step started again (one that holds a single example is left out);
     under DDP the ranks cannot retry alone, so running out of memory ends the job."""
     while True:
-        counts = run.ctx.all_reduce(torch.tensor(task.counts(group), dtype=torch.float64, device=run.ctx.device))
+        counts = run.ctx.all_reduce(_to_device(task.counts(group), run.ctx.device))
         norm = counts.clamp(min=1.0)
-        sums, bad_loss, failed = _forward_backward_all(run, state, task, group, norm)
+        sums, bad_loss, failed = _forward_backward_all(run, state, task, group, norm, stager)
         if failed is None:
             return norm, sums, group, bad_loss
         run.optimizer.zero_grad(set_to_none=True)  # the failed backward may have added some
@@ -421,15 +525,25 @@ def _accumulate(run: Run, state: State, task: Task,
         group = group[:failed] + task.halves(group[failed], state.step + 1) + group[failed + 1:]
 
 
-def _forward_backward_all(run: Run, state: State, task: Task, group: list,
-                          norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """float64 `values` on `device`, without blocking the host (copied from pinned memory on CUDA)."""
+    host = torch.tensor(values, dtype=torch.float64)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
+def _forward_backward_all(run: Run, state: State, task: Task, group: list, norm: torch.Tensor,
+                          stager: Stager) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """(the summed `step_sums` of the group, the count of non-finite losses, the index of the
-    micro-batch that ran out of memory or None)."""
+    micro-batch that ran out of memory or None). Each micro-batch after the first is staged as
+    soon as the one before it is queued, to overlap it."""
     sums = torch.zeros(len(task.step_sums), device=run.ctx.device, dtype=torch.float64)
     bad_loss = torch.zeros((), device=run.ctx.device)
+    ahead = None
     for i, batch in enumerate(group):
         try:
-            batch_sums, finite = _forward_backward(run, task, batch, norm, sync=i == len(group) - 1)
+            staged = stager.take(ahead if ahead is not None else stager.issue(batch))
+            ahead = None
+            batch_sums, finite = _forward_backward(run, task, batch, staged, norm, sync=i == len(group) - 1)
             sums += batch_sums
             bad_loss += ~finite
         except torch.OutOfMemoryError:
@@ -439,24 +553,68 @@ def _forward_backward_all(run: Run, state: State, task: Task, group: list,
                     f"DDP the ranks cannot retry alone, so the job stops: {resume_hint(run.exp)} (or start a new "
                     f"--exp-dir with a smaller {run.unit.cap_setting})") from None
             return sums, bad_loss, i  # leaving the handler frees the failed step's tensors
+        if i + 1 < len(group):
+            try:
+                ahead = stager.issue(group[i + 1])
+            except torch.OutOfMemoryError:  # staged again at its turn, where running out of memory is its own
+                ahead = None
     return sums, bad_loss, None
 
 
-def _forward_backward(run: Run, task: Task, batch, norm: torch.Tensor, *,
+def _forward_backward(run: Run, task: Task, batch, staged, norm: torch.Tensor, *,
                       sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The task's loss of one micro-batch, backward (DDP's gradient all-reduce on the last of a
-    step, `sync`); returns its detached `step_sums` and whether the loss is finite (a tensor: no
-    host synchronization)."""
+    """The task's loss of one micro-batch (`staged`: its Task.stage), backward (DDP's gradient
+    all-reduce on the last of a step, `sync`); returns its detached `step_sums` and whether the
+    loss is finite (a tensor: no host synchronization)."""
     ctx = run.ctx
-    empty = len(batch.ids) == 0
-    if empty:  # this rank's batch emptied: a zero-loss step so DDP's all-reduce still happens
-        batch = task.placeholder()
+    empty = len(batch.ids) == 0  # this rank's batch emptied: the placeholder's zero-loss step, so
+    # that DDP's all-reduce still happens (Stager stages it)
     with run.wrapped.no_sync() if ctx.distributed and not sync else contextlib.nullcontext():
         with run.autocast():
-            loss, sums = task.loss(run.wrapped, batch, norm)
+            loss, sums = task.loss(run.wrapped, staged, norm)
         loss = loss * (0.0 if empty else ctx.world_size)  # DDP averages gradients over ranks
         run.scaler.scale(loss).backward()
     return (torch.zeros_like(sums) if empty else sums), torch.isfinite(loss.detach())
+
+
+class Stager:
+    """Stages training micro-batches (Task.stage) for the step: on CUDA on a side stream, so that
+    a batch's copies to the device (and the task's work on it there: speech's frontend) run while
+    the micro-batch before it computes; on other devices in line, the same batches. A batch whose
+    examples were all skipped is staged as the task's placeholder. One per epoch: it is made after
+    the work its batches read on the device (the task's constants: CMVN) is queued."""
+
+    def __init__(self, task: Task, device: torch.device):
+        self.task = task
+        self.stream = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def issue(self, batch) -> tuple[Any, Any]:
+        """Stage `batch`: (what Task.stage returned, the CUDA event its side-stream work ends with
+        or None); hand it to `take` before use."""
+        batch = batch if batch.ids else self.task.placeholder()
+        if self.stream is None:
+            return self.task.stage(batch), None
+        with torch.cuda.stream(self.stream):
+            staged = self.task.stage(batch)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return staged, done
+
+    def take(self, issued: tuple[Any, Any]) -> Any:
+        """The staged batch of `issue`, ready for the current stream: that stream waits (on the
+        device, not the host) for the staging, and the allocator learns that it uses the staged
+        tensors (allocated on the side stream), so they outlive its work on them."""
+        staged, done = issued
+        if done is not None:
+            current = torch.cuda.current_stream(self.stream.device)
+            current.wait_event(done)
+            for leaf in tree_leaves(staged):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                    leaf.record_stream(current)
+        return staged
 
 
 def _scaler_overflow(run: Run, bad_loss: torch.Tensor) -> bool:
