@@ -226,6 +226,8 @@ class ASRModel(nn.Module):
                left_chunks: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """(memory (B, S, d), memory_lens (B,)) of feats (B, T, n_mels), feat_lens (B,); with
         chunk_size > 0, each frame attends to its chunk and `left_chunks` before (StreamingEncoder)."""
+        if chunk_size == 0:
+            return self.encoder(feats, feat_lens)
         return self.encoder(feats, feat_lens, chunk_size=chunk_size, left_chunks=left_chunks)
 
     def init_cache(self, memory: torch.Tensor, memory_lens: torch.Tensor, *, rows: int,

@@ -76,14 +76,16 @@ def rel_shift(scores: torch.Tensor) -> torch.Tensor:
     scores[..., i, Tq - 1 - i + j], the entry of position (Tk - Tq) + i - j.
 
     A view, no copy: in a contiguous row-major tensor of width W = Tk + Tq - 1 that entry sits at
-    (Tq - 1) + i (W - 1) + j, a stride of W - 1 between query rows and 1 between keys."""
+    (Tq - 1) + i (W - 1) + j, a stride of W - 1 between query rows and 1 between keys; made by
+    reshapes and slices (no storage offset, which torch.compile would specialise on)."""
     scores = scores.contiguous()
     *lead, t, width = scores.shape
     if width < t:
         raise ValueError(f"rel_shift needs (..., Tq, Tk + Tq - 1) scores with Tk >= 1, got {tuple(scores.shape)}")
-    size = (*lead, t, width - t + 1)
-    stride = (*scores.stride()[:-2], width - 1, 1)
-    return scores.as_strided(size, stride, scores.storage_offset() + t - 1)
+    if t == 1:  # one query: its row is already against the keys
+        return scores
+    flat = scores.reshape(*lead, t * width)[..., t - 1:t - 1 + t * (width - 1)]  # from (0, t - 1) on
+    return flat.reshape(*lead, t, width - 1)[..., :width - t + 1]  # rows of width - 1: each one shifted
 
 
 class RelPositionAttention(MultiHeadAttention):
