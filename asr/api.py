@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ import numpy as np
 import torch
 
 from asr.alignment import Word
-from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, to_mono_16k
-from asr.checkpoint import CheckpointError, load_file
+from asr.audio import SAMPLE_RATE, AudioError, RawFormat, iter_blocks, shown_path, to_mono_16k
+from asr.checkpoint import CheckpointError, load_file, load_weights
 from asr.dataset import ASRDataset
 from asr.decoding import DecodingOptions, DecodingTask
 from asr.features import FeatureConfig, GlobalCMVN, fbank
@@ -50,7 +51,9 @@ __all__ = ["Recognizer", "Result", "Segment", "Word", "load_model", "resolve_dev
 
 _INPUT_ERRORS = (AudioError, OSError, TypeError, ValueError)  # what a bad input raises
 
-AudioInput = str | os.PathLike | tuple[Any, int]  # a path, or (waveform, sample_rate)
+AudioInput = str | bytes | os.PathLike | tuple[Any, int]  # a path, or (waveform, sample_rate)
+_PATHS = (str, bytes, os.PathLike)
+log = logging.getLogger("asr.api")
 
 
 class Segment(NamedTuple):
@@ -66,15 +69,18 @@ class Segment(NamedTuple):
 @dataclass(frozen=True)
 class Result:
     """The transcript of one input. `error` (one line naming the input) when it could not be
-    read; the other fields are then empty."""
+    read; the other fields are then empty. `warnings`: one line each (naming the input) about an
+    input transcribed all the same: a file that ends before its container says it should (cut
+    short: what is there is transcribed; asr.audio.iter_blocks' on_truncated); also logged."""
 
-    path: str | None  # None for a waveform given in memory
+    path: str | None  # None for a waveform given in memory; a name that is not UTF-8 as os.fsdecode gives it
     text: str
     tokens: tuple[int, ...] = ()
     score: float = 0.0  # sum of the segments' search scores
     segments: tuple[Segment, ...] = ()
     duration: float = 0.0  # seconds of audio
     error: str | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def words(self) -> tuple[Word, ...]:
@@ -125,23 +131,12 @@ def _load_exported(path: str | os.PathLike, device: str | torch.device, options:
 
 
 def _model(config: ModelConfig, state_dict: Any, source: str) -> ASRModel:
-    """The model of `config` with the file's weights. A config asking for more layers than the
-    file has tensors, or for more memory than there is, is refused before or while building."""
-    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise CheckpointError(f"{source}: not a usable model file (state_dict is not a dict of tensors)")
-    if config.encoder_layers + config.decoder_layers > len(state_dict):
-        raise CheckpointError(f"{source}: the config's {config.encoder_layers} + {config.decoder_layers} layers "
-                              f"cannot fit in {len(state_dict)} weight tensors")
-    try:
-        model = ASRModel(config)
-    except (RuntimeError, MemoryError) as e:  # sizes a crafted config may ask for
-        reason = " ".join(str(e).split())[:160]
-        raise CheckpointError(f"{source}: the model's config cannot be built ({reason})") from None
-    try:
-        model.load_state_dict(state_dict)
-    except (KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{source}: weights do not fit the model ({' '.join(str(e).split())[:200]})") from None
-    return model
+    """The model of `config` with the file's weights, built only once the two agree (on the meta
+    device: asr.checkpoint.load_weights), so a small file asking for a huge network costs nothing."""
+    return load_weights(lambda: ASRModel(config), state_dict, source, config, layers=_LAYERS)
+
+
+_LAYERS = {"encoder.layers.": "encoder_layers", "decoder.layers.": "decoder_layers"}  # weights of each stack
 
 
 class Recognizer:
@@ -191,8 +186,11 @@ class Recognizer:
         Segments of all inputs (cut as `segmentation` says, default SegmentOptions()) are decoded
         `batch_size` at a time. `word_timestamps`: each segment's words, with their start and end
         (seconds from the input's start) and confidence, aligned by the CTC head (asr.alignment).
-        An input that cannot be read gives a Result with `error` set; the others go on. An error
-        while decoding is not an input's: it is raised."""
+        An input that cannot be read gives a Result with `error` set; the others go on. A file cut
+        short is transcribed as far as it goes, with a Result warning saying so. Paths may be
+        bytes, and names that are not UTF-8 work (Result.path: os.fsdecode's str, which
+        os.fsencode turns back into the name). An error while decoding is not an input's: it is
+        raised."""
         segmentation = segmentation or SegmentOptions()
         overrides = {"mode": mode, "beam_size": beam_size, "ctc_weight": ctc_weight, "length_bonus": length_bonus,
                      "lexicon": None if lexicon is None else os.fspath(lexicon),
@@ -201,10 +199,10 @@ class Recognizer:
         options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
         task = self.task(options)  # a bad word list or LM fails here, before any audio is read
         inputs = _as_list(audio)
-        jobs = [_Job(os.fspath(item) if isinstance(item, (str, os.PathLike)) else None) for item in inputs]
+        jobs = [_Job(os.fsdecode(item) if isinstance(item, _PATHS) else None) for item in inputs]
         batches = _Batches(self, task, jobs, batch_size, word_timestamps)
         for index, item in enumerate(inputs):
-            pieces = self._pieces(item, raw, segmentation)
+            pieces = self._pieces(item, raw, segmentation, jobs[index].warn)
             while (piece := _next_piece(pieces, jobs[index])) is not None:
                 batches.add(index, *piece)  # may decode a full batch: its errors are not this input's
             if jobs[index].error is not None:
@@ -212,10 +210,11 @@ class Recognizer:
         batches.flush()
         return [job.result() for job in jobs]
 
-    def _pieces(self, item: AudioInput, raw: RawFormat | None,
-                segmentation: SegmentOptions) -> Iterator[tuple[int, int, torch.Tensor | None]]:
-        """(first sample, samples, features; None when it holds no speech) of each segment of an input."""
-        for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds), segmentation):
+    def _pieces(self, item: AudioInput, raw: RawFormat | None, segmentation: SegmentOptions,
+                warn: Callable[[str], None]) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+        """(first sample, samples, features; None when it holds no speech) of each segment of an
+        input; `warn` is told of a file cut short."""
+        for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds, warn), segmentation):
             yield start, wave.numel(), self.feats(wave) if has_speech(wave, segmentation.speech_db) else None
 
     def feats(self, wave: torch.Tensor) -> torch.Tensor:
@@ -300,6 +299,11 @@ class _Job:
     samples: int = 0  # 16 kHz samples read
     pieces: list[tuple[Segment, Hypothesis]] = field(default_factory=list)
     error: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self.warnings.append(message)
 
     def result(self) -> Result:
         if self.error is not None:
@@ -308,7 +312,8 @@ class _Job:
         tokens = tuple(t for _, hyp in self.pieces for t in hyp.tokens)
         score = sum(hyp.score for _, hyp in self.pieces)
         segments = tuple(segment for segment, _ in self.pieces)
-        return Result(self.path, " ".join(texts), tokens, score, segments, self.samples / SAMPLE_RATE)
+        return Result(self.path, " ".join(texts), tokens, score, segments, self.samples / SAMPLE_RATE,
+                      warnings=tuple(self.warnings))
 
 
 def _next_piece(pieces: Iterator[tuple[int, int, torch.Tensor | None]],
@@ -318,7 +323,7 @@ def _next_piece(pieces: Iterator[tuple[int, int, torch.Tensor | None]],
     try:
         piece = next(pieces, None)
     except _INPUT_ERRORS as e:
-        job.error = str(e) if isinstance(e, AudioError) else f"{job.path or '<waveform>'}: {e}"
+        job.error = str(e) if isinstance(e, AudioError) else f"{shown_path(job.path or '<waveform>')}: {e}"
         return None
     if piece is not None:
         job.samples = piece[0] + piece[1]
@@ -370,17 +375,19 @@ def _as_list(audio: AudioInput | Sequence[AudioInput]) -> list[AudioInput]:
     """A single input (a path, or a (waveform, rate) pair) -> [it]; a list stays a list."""
     if isinstance(audio, (np.ndarray, torch.Tensor)):
         raise TypeError("a waveform needs its sample rate: pass (waveform, sample_rate)")
-    if isinstance(audio, (str, os.PathLike)):
+    if isinstance(audio, _PATHS):
         return [audio]
-    if isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, os.PathLike, tuple)):
+    if isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (*_PATHS, tuple)):
         return [audio]
     return list(audio)
 
 
-def _blocks(item: AudioInput, raw: RawFormat | None, block_seconds: float) -> Iterator[torch.Tensor]:
-    """16 kHz mono float32 blocks of a path or of a (waveform, sample_rate) pair."""
-    if isinstance(item, (str, os.PathLike)):
-        yield from iter_blocks(item, block_seconds=block_seconds, raw=raw)
+def _blocks(item: AudioInput, raw: RawFormat | None, block_seconds: float,
+            on_truncated: Callable[[str], None]) -> Iterator[torch.Tensor]:
+    """16 kHz mono float32 blocks of a path (a file cut short: what is there, and `on_truncated`
+    told) or of a (waveform, sample_rate) pair."""
+    if isinstance(item, _PATHS):
+        yield from iter_blocks(item, block_seconds=block_seconds, raw=raw, on_truncated=on_truncated)
         return
     if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], (int, np.integer))):
         raise TypeError(f"expected a path or a (waveform, sample_rate) pair, got {type(item).__name__}")

@@ -1,17 +1,21 @@
 """Read any audio file as float32 mono at 16 kHz, with one clear error for every bad file.
 
 Everything libsndfile reads (WAV 8/16/24/32-bit int and float, FLAC, OGG/Vorbis, MP3, AIFF, ...)
-goes through soundfile; headerless PCM needs a `RawFormat`. Channels are averaged, the rate is
-converted with torchaudio's windowed-sinc resampler (imported on first use, so that importing this
-module stays light), and `iter_blocks` streams a long file block by block with the same result as
-`load_audio`. Every problem with a file raises `AudioError`, whose text is "<path>: <reason>".
+goes through soundfile; headerless PCM needs a `RawFormat`. The decoder is chosen by the file's
+content, never by its name (libsndfile reads an open file descriptor: a `.raw` or `.vox` suffix
+changes nothing, and names that are not UTF-8 work). Channels are averaged, the rate is converted
+with torchaudio's windowed-sinc resampler (imported on first use, so that importing this module
+stays light), and `iter_blocks` streams a long file block by block with the same result as
+`load_audio`. Every problem with a file raises `AudioError`, whose text is "<path>: <reason>" on
+one line; `iter_blocks(..., on_truncated=...)` reports a file that ends before its container says
+it should (a cut WAV, FLAC, MP3 or Ogg file) and keeps the audio that is there instead.
 """
 from __future__ import annotations
 
 import functools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -29,6 +33,7 @@ __all__ = [
     "iter_blocks",
     "load_audio",
     "resample",
+    "shown_path",
     "to_mono_16k",
 ]
 
@@ -52,6 +57,11 @@ _MAX_FILTER = 2**24
 # Samples (all channels) decoded per read: memory follows the data that is there, not a length the
 # header only claims.
 _READ_SAMPLES = 2**22
+# Frames per read when what comes before a decoder error is read again (iter_blocks' on_truncated):
+# about a FLAC frame, halved where a read fails, so that at most _SALVAGE_MIN_FRAMES of what decodes
+# are lost.
+_SALVAGE_FRAMES = 4096
+_SALVAGE_MIN_FRAMES = 16
 _RAW_SAMPLE_BYTES = {
     "PCM_S8": 1, "PCM_U8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4,
     "FLOAT": 4, "DOUBLE": 8, "ULAW": 1, "ALAW": 1,
@@ -62,15 +72,28 @@ _INT_SCALE = {"int8": (0, 128), "uint8": (128, 128), "int16": (0, 32768), "int32
 
 
 class AudioError(Exception):
-    """A file that cannot be used as audio; str(e) == "<path>: <reason>" on one line."""
+    """A file that cannot be used as audio; str(e) == "<path>: <reason>" on one line, the path
+    shown with its unprintable characters escaped (a newline as \\n, a byte of a name that is not
+    UTF-8 as \\xNN); `path` is the path as given (str, bytes decoded as os.fsdecode does)."""
 
-    def __init__(self, path: str | os.PathLike, reason: str):
-        self.path = os.fspath(path)
+    def __init__(self, path: str | bytes | os.PathLike, reason: str):
+        self.path = os.fsdecode(path)
         self.reason = " ".join(str(reason).split())  # one line, whatever libsndfile said
-        super().__init__(f"{self.path}: {self.reason}")
+        super().__init__(f"{shown_path(self.path)}: {self.reason}")
 
     def __reduce__(self):  # picklable across DataLoader worker processes
         return (type(self), (self.path, self.reason))
+
+
+def shown_path(path: str | bytes | os.PathLike) -> str:
+    """`path` as one printable line: unchanged when it is one, else each unprintable character
+    escaped (a newline as \\n, NUL as \\x00, a byte of a name that is not UTF-8, which
+    os.fsdecode turned into a lone surrogate, as \\xNN)."""
+    text = os.fsdecode(path)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF
+                   else ascii(c)[1:-1] for c in text)
 
 
 @dataclass(frozen=True)
@@ -146,8 +169,9 @@ def load_audio(
     round(16000 * speed) Hz to 16000 Hz).
     raw: read the file as headerless PCM in this format.
     Raises AudioError "<path>: <reason>" for a missing, empty, truncated (fewer frames decoded than
-    the header says), corrupt or non-audio file, NaN/inf samples, start/end outside the file, or a
-    sample rate under 4000 Hz or too costly to resample (see `resample`); ValueError for a speed
+    the header says, an Ogg stream without its last page), corrupt or non-audio file, NaN/inf
+    samples, start/end outside the file, or a sample rate under 4000 Hz or too costly to resample
+    (see `resample`); ValueError for a speed
     that is not positive or too costly to resample (use at most three decimals).
     Memory follows the audio actually decoded, whatever length the header claims.
     """
@@ -157,12 +181,15 @@ def load_audio(
         if first:
             src.seek(first)
         samples = src.read_exactly(last - first)  # (T,) at the file's rate
+        if last == src.info.frames:
+            src.check_complete()  # the container's own account of its end (an Ogg stream's last page)
     wave = resample(torch.from_numpy(samples), src.info.sample_rate, SAMPLE_RATE)
     return _perturb_speed(wave, speed)
 
 
 def iter_blocks(
-    path: str | os.PathLike, *, block_seconds: float = 30.0, raw: RawFormat | None = None
+    path: str | os.PathLike, *, block_seconds: float = 30.0, raw: RawFormat | None = None,
+    on_truncated: Callable[[str], None] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield (T_block,) float32 16 kHz mono blocks of `path`, `block_seconds` long each (rounded to
     whole periods of 1 / gcd(rate, 16000) s, e.g. 10 ms at 44.1 kHz) but the last.
@@ -171,10 +198,17 @@ def iter_blocks(
     neighbours' samples around it that the concatenated blocks equal `load_audio(path)` (to float
     rounding). Errors as in `load_audio`; a truncation or a bad sample is raised when reached, after
     the blocks before it were yielded.
+
+    on_truncated: called, instead of raising, with the one-line message ("<path>: truncated: ...")
+    of a file that ends before its container says it should, once the audio that is there has
+    been yielded: a WAV whose data chunk is longer than the file, a FLAC or MP3 decoding to fewer
+    frames than its header announces, an Ogg stream without its last page, or a decoder error part
+    way (the audio before it, read again in small pieces, is kept). A file of which nothing can be
+    decoded is still an AudioError.
     """
     if not block_seconds > 0:
         raise ValueError(f"block_seconds must be positive, got {block_seconds!r}")
-    with closing(_Source(path, raw)) as src:
+    with closing(_Source(path, raw, lenient=on_truncated is not None)) as src:
         rate = src.info.sample_rate
         down = _reduced_ratio(rate, SAMPLE_RATE)[0]
         step = down * max(1, round(block_seconds * rate / down))  # input frames per block
@@ -187,7 +221,9 @@ def iter_blocks(
             joined = np.concatenate([before, block])
             before = joined[len(joined) - context:]
             block = after
-        src.check_complete()
+        problem = src.check_complete()
+        if problem is not None and on_truncated is not None:
+            on_truncated(str(src.error(problem)))
 
 
 def resample(wave: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
@@ -273,21 +309,48 @@ def to_mono_16k(wave: np.ndarray | torch.Tensor, sample_rate: int) -> torch.Tens
 
 class _Source:
     """An open, checked audio file: its AudioInfo, and reads of mono float32 frames that raise
-    AudioError on decoding errors, truncation and non-finite samples."""
+    AudioError on decoding errors, truncation and non-finite samples. `lenient` (iter_blocks'
+    on_truncated): a truncation found by the header (a WAV's data size) or by a decoder error part
+    way is kept to be reported by `check_complete`, and the audio before it is read."""
 
-    def __init__(self, path: str | os.PathLike, raw: RawFormat | None):
-        self.path = os.fspath(path)
+    def __init__(self, path: str | bytes | os.PathLike, raw: RawFormat | None, *, lenient: bool = False):
+        self.path = os.fsdecode(path)  # a name that is not UTF-8 keeps its bytes (surrogateescape)
+        self.raw, self.lenient = raw, lenient
+        self.truncation: str | None = None  # what a lenient read found wrong at the end
+        self.ended = False  # a lenient read stopped at a decoder error: nothing more is read
+        self.file: sf.SoundFile | None = None
+        self.fd = -1
         _check_file(self.path)
-        self.file = _open_soundfile(self.path, raw)
+        self._open()
         try:
             self.info = self._read_info(raw)
         except BaseException:
-            self.file.close()
+            self.close()
             raise
         self.position = 0  # frame index of the next read
 
+    def _open(self) -> None:
+        """libsndfile on a file descriptor: the content picks the decoder, the name plays no part."""
+        try:
+            self.fd = os.open(os.fsencode(self.path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise AudioError(self.path, e.strerror or "cannot be opened") from None
+        try:
+            self.file = _open_soundfile(self.fd, self.path, self.raw)
+        except BaseException:
+            self.close()
+            raise
+
     def close(self) -> None:
-        self.file.close()
+        """Close the file (again: nothing; a descriptor is never closed twice, its number may be reused)."""
+        file, fd = self.file, self.fd
+        self.file, self.fd = None, -1
+        try:
+            if file is not None:
+                file.close()
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def error(self, reason: str) -> AudioError:
         return AudioError(self.path, reason)
@@ -334,14 +397,52 @@ class _Source:
 
     def _read(self, frames: int) -> np.ndarray:
         """(n <= frames,) float32 mono from the current position, checked finite."""
+        if self.ended:
+            return np.zeros(0, np.float32)
         try:
             data = self.file.read(frames, dtype="float32", always_2d=True)  # (n, C)
         except (sf.LibsndfileError, RuntimeError) as err:
-            raise self.error(f"corrupt or truncated audio data ({_libsndfile_message(err)})") from None
+            reason = f"corrupt or truncated audio data ({_libsndfile_message(err)})"
+            if not self.lenient:
+                raise self.error(reason) from None
+            data = self._salvage(frames)
+            at, total = (self.position + len(data)) / self.info.sample_rate, self.info.duration
+            self.truncation = (f"truncated or damaged: decoding fails at {at:.3f} s of the {total:.3f} s the header "
+                               f"announces ({_libsndfile_message(err)})")
+            self.ended = True
         self._check_finite(data)
         self.position += len(data)
         mono = data[:, 0] if data.shape[1] == 1 else data.mean(axis=1)
         return np.ascontiguousarray(mono, dtype=np.float32)
+
+    def _salvage(self, frames: int) -> np.ndarray:
+        """(n, C): what decodes of the `frames` from self.position, after a read of them failed: read
+        again in pieces of _SALVAGE_FRAMES, halved at each failure down to _SALVAGE_MIN_FRAMES, the
+        file opened again after each (libsndfile's state after an error is not to be trusted)."""
+        parts = [np.zeros((0, self.info.channels), np.float32)]
+        position, piece, failed = self.position, _SALVAGE_FRAMES, True
+        while frames > 0 and piece >= _SALVAGE_MIN_FRAMES:
+            want = min(frames, piece)
+            try:
+                if failed:
+                    self.close()
+                    self._open()
+                    if position:
+                        self.file.seek(position)
+                    failed = False
+                data = self.file.read(want, dtype="float32", always_2d=True)
+            except (sf.LibsndfileError, RuntimeError):
+                piece, failed = piece // 2, True
+                continue
+            except AudioError:  # it cannot be opened again (gone since): what was read is kept
+                self.ended = True
+                break
+            parts.append(data)
+            position += len(data)
+            frames -= len(data)
+            if len(data) < want:
+                break
+        return np.concatenate(parts)
 
     def read_exactly(self, frames: int) -> np.ndarray:
         """(frames,) float32 mono; AudioError when the file ends first."""
@@ -350,13 +451,21 @@ class _Source:
             self.check_complete()
         return samples
 
-    def check_complete(self) -> None:
-        """Raise when decoding ended before the frame count of the header."""
-        if self.position < self.info.frames:
-            raise self.error(
-                f"truncated: decoding ends at frame {self.position} "
-                f"({self.position / self.info.sample_rate:.3f} s) of the {self.info.frames} the header announces"
-            )
+    def check_complete(self) -> str | None:
+        """After reading to the end: why the audio ended early (a header's frame count not reached,
+        a WAV's data chunk longer than the file, a decoder error, an Ogg stream without its last
+        page), raised as AudioError, or, when lenient, returned (None: complete). Nothing at all
+        decoded is always raised."""
+        problem = self.truncation
+        if problem is None and self.position < self.info.frames:
+            seconds = self.position / self.info.sample_rate
+            problem = (f"truncated: decoding ends at frame {self.position} ({seconds:.3f} s) of the "
+                       f"{self.info.frames} the header announces")
+        if problem is None and self.info.format == "OGG":
+            problem = _ogg_problem(self.fd)
+        if problem is not None and (not self.lenient or self.position == 0):
+            raise self.error(problem)
+        return problem
 
     def _check_finite(self, data: np.ndarray) -> None:
         """data: (n, C) read from self.position."""
@@ -375,17 +484,20 @@ class _Source:
                 "the header does not state the length (a stream written to a pipe?), which soundfile "
                 "cannot read; re-encode the file"
             )
-        problem = _riff_problem(self.path) if f.format in ("WAV", "WAVEX") else None
-        if problem:
+        problem = _riff_problem(self.fd) if f.format in ("WAV", "WAVEX") else None
+        if problem and self.lenient and problem.startswith("truncated"):
+            self.truncation = problem  # libsndfile reads what is there
+        elif problem:
             raise self.error(problem)
         if frames <= 0:
             raise self.error("no audio frames (empty)")
         problem = _rate_problem(f.samplerate)
         if problem:
             raise self.error(problem)
-        if raw is not None and os.path.getsize(self.path) % raw.frame_bytes:
+        size = os.fstat(self.fd).st_size
+        if raw is not None and size % raw.frame_bytes:
             raise self.error(
-                f"truncated: {os.path.getsize(self.path)} bytes is not a whole number of "
+                f"truncated: {size} bytes is not a whole number of "
                 f"{raw.frame_bytes}-byte frames ({raw.subtype} x {raw.channels} channels)"
             )
         return AudioInfo(f.samplerate, frames, f.channels, f.format, f.subtype)
@@ -393,6 +505,8 @@ class _Source:
 
 def _check_file(path: str) -> None:
     """Raise AudioError for what libsndfile would only call "System error" or "not recognised"."""
+    if "\0" in path:
+        raise AudioError(path, "a file name cannot hold a NUL character")
     if not os.path.exists(path):
         raise AudioError(path, "no such file")
     if os.path.isdir(path):
@@ -403,14 +517,15 @@ def _check_file(path: str) -> None:
         raise AudioError(path, "empty file (0 bytes)")
 
 
-def _open_soundfile(path: str, raw: RawFormat | None) -> sf.SoundFile:
+def _open_soundfile(fd: int, path: str, raw: RawFormat | None) -> sf.SoundFile:
+    """soundfile on the open descriptor `fd` of `path` (which names it in errors)."""
     if raw is None:
         options = {}
     else:
         options = {"format": "RAW", "samplerate": raw.sample_rate, "channels": raw.channels,
                    "subtype": raw.subtype, "endian": raw.endian}
     try:
-        return sf.SoundFile(path, "r", **options)
+        return sf.SoundFile(fd, "r", closefd=False, **options)
     except (sf.LibsndfileError, RuntimeError) as err:
         message = _libsndfile_message(err)
         if "not recognised" in message.lower():
@@ -427,32 +542,55 @@ def _libsndfile_message(err: Exception) -> str:
     return message or type(err).__name__
 
 
-def _riff_problem(path: str) -> str | None:
-    """Why a RIFF/WAVE file's data chunk size disagrees with the file, if it does.
+def _riff_problem(fd: int) -> str | None:
+    """Why a RIFF/WAVE file's data chunk size disagrees with the file (open as `fd`), if it does.
 
     libsndfile silently shortens a cut file to what is there, and reads a data size of 0 as an
-    empty file, so the header is read here.
+    empty file, so the header is read here (os.pread: libsndfile's offset in the file is left alone).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        head = fh.read(12)
-        if head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 12, 0)
+    if head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+        return None
+    order = "little" if head[:4] == b"RIFF" else "big"
+    position = 12
+    while position + 8 <= size:
+        chunk = os.pread(fd, 8, position)
+        declared = int.from_bytes(chunk[4:8], order)
+        if chunk[:4] == b"data":
+            held = size - position - 8
+            if declared == 0 and held > 0:
+                return (f"the header announces 0 bytes of audio but the file holds {held} "
+                        "(a WAV written to a pipe?); rewrite its header, e.g. with sox")
+            if held < declared < _RIFF_UNKNOWN_SIZE:
+                return f"truncated: the header announces {declared} bytes of audio, the file holds {held}"
             return None
-        order = "little" if head[:4] == b"RIFF" else "big"
-        position = 12
-        while position + 8 <= size:
-            fh.seek(position)
-            chunk = fh.read(8)
-            declared = int.from_bytes(chunk[4:8], order)
-            if chunk[:4] == b"data":
-                held = size - position - 8
-                if declared == 0 and held > 0:
-                    return (f"the header announces 0 bytes of audio but the file holds {held} "
-                            "(a WAV written to a pipe?); rewrite its header, e.g. with sox")
-                if held < declared < _RIFF_UNKNOWN_SIZE:
-                    return f"truncated: the header announces {declared} bytes of audio, the file holds {held}"
-                return None
-            position += 8 + declared + (declared & 1)  # chunks are padded to even sizes
+        position += 8 + declared + (declared & 1)  # chunks are padded to even sizes
+    return None
+
+
+def _ogg_problem(fd: int) -> str | None:
+    """Why an Ogg file (open as `fd`) ends before its streams do, if it does: its pages walked from
+    the first (a 27-byte header each, a segment table and the sizes it lists), the last one cut
+    short, or a stream whose last page lacks the end-of-stream flag. None when the pages are not
+    all well formed (libsndfile has decoded the file: it is not for this check to refuse it)."""
+    size = os.fstat(fd).st_size
+    position, last_flags = 0, {}  # stream serial -> header flags of its last page
+    while position < size:
+        header = os.pread(fd, 27, position)
+        if len(header) < 27 or header[:4] != b"OggS" or header[4] != 0:
+            if size - position < 27 and b"OggS".startswith(header[:4]):
+                return f"truncated: the file ends inside an Ogg page header at byte {position}"
+            return None
+        table = os.pread(fd, header[26], position + 27)
+        end = position + 27 + header[26] + sum(table)
+        if len(table) < header[26] or end > size:
+            return (f"truncated: the last Ogg page (at byte {position}) is cut short, {end - size} bytes are "
+                    "missing at least")
+        last_flags[header[14:18]] = header[5]
+        position = end
+    if any(not flags & 0x04 for flags in last_flags.values()):
+        return "truncated: the Ogg stream ends without its end-of-stream page (the file was cut)"
     return None
 
 

@@ -9,8 +9,11 @@ A model file (DESIGN.md) is a plain dict
 holding only dicts, lists, strings, numbers, bytes and tensors, so that it loads with
 `torch.load(..., weights_only=True)`, the only way we ever load one. A language model file
 (asr.neural_lm) is the same kind of dict of format "asr-lm" (model config, tokenizer, weights).
-Training checkpoints use the same rules with format "asr-checkpoint": the model file they hold
-(its format in "model_format"), plus the optimizer, scaler, random and loop states.
+`load_weights` builds the network a file's config describes and gives it the file's weights,
+checking the one against the other before any memory is allocated (on the meta device), so a
+small file asking for a huge network costs nothing. Training checkpoints use the same rules with
+format "asr-checkpoint": the model file they hold (its format in "model_format"), plus the
+optimizer, scaler, random and loop states.
 
 A training run keeps its checkpoints in EXP/checkpoints/ckpt-<step>.pt with an index,
 EXP/checkpoints/index.json = [{"file", "step", "epoch", "valid_loss"}], oldest first: the newest
@@ -18,6 +21,7 @@ is where a rerun resumes, the best validated ones are what `average` averages.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -41,8 +45,9 @@ LM_FORMAT = "asr-lm"  # a language model file (asr.neural_lm)
 _TRAINING_KEYS = ("format", "version", "model_format", "optimizer", "scaler", "state", "valid_loss", "rng")
 VERSION = 1
 
-__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "LM_FORMAT", "VERSION", "CheckpointError", "TrainingError",
-           "save_atomic", "load_file", "model_file", "average_state_dicts", "average", "checkpoint_dir",
+__all__ = ["MODEL_FORMAT", "CHECKPOINT_FORMAT", "LM_FORMAT", "VERSION", "SIZE_LIMITS", "CheckpointError",
+           "TrainingError", "save_atomic", "load_file", "check_sizes", "load_weights", "model_file",
+           "average_state_dicts", "average", "checkpoint_dir",
            "clean_experiment", "check_or_save_config", "read_index", "resume", "resume_hint", "rng_state",
            "save_checkpoint", "set_rng_state", "Resumed"]
 
@@ -173,6 +178,115 @@ def _load_problem(e: Exception, expected_format: str) -> str:
     if isinstance(e, EOFError) or "failed reading zip archive" in text or "failed finding central directory" in text:
         return f"damaged or truncated ({text[:160] or type(e).__name__})"
     return f"not a loadable {expected_format} file ({text[:200] or type(e).__name__})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the network a file describes, built to its weights
+
+
+# The largest sizes a model or LM file's config may ask for: far beyond any model this toolkit
+# trains (conf/librispeech_*: d_model 512, 18 layers), small enough that building the network on
+# the meta device and comparing it with the weights stays instant.
+SIZE_LIMITS = {"vocab_size": 2**20, "n_mels": 512, "conv_channels": 8192, "d_model": 16384, "n_heads": 256,
+               "ffn_dim": 131072, "decoder_ffn_dim": 131072, "encoder_layers": 256, "decoder_layers": 256,
+               "n_layers": 256, "conv_kernel": 1023, "max_chunk": 100_000}
+
+
+def check_sizes(config: Any, source: str) -> None:
+    """CheckpointError "source: model.<field> = N is more than this toolkit loads (at most M)" for a
+    size of `config` (a ModelConfig or LMConfig) beyond SIZE_LIMITS."""
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > limit:
+            raise CheckpointError(f"{source}: model.{name} = {value} is more than this toolkit loads "
+                                  f"(at most {limit})")
+
+
+def load_weights(build: Callable[[], torch.nn.Module], state_dict: Any, source: str, config: Any, *,
+                 layers: Mapping[str, str], what: str = "model file") -> torch.nn.Module:
+    """The network `build()` makes from `config`, holding the file's weights `state_dict`.
+
+    Nothing is allocated before the two are known to agree: `layers` ({"encoder.layers.":
+    "encoder_layers", ...}: where the weights of each stack of layers are, and the config field
+    that counts them) is compared with the weights' names first, then the network is built on the
+    meta device (no storage) and its parameters' names and shapes compared with the weights'; only
+    then do the file's tensors become its parameters (float32, as the network was built; no copy of
+    float32 weights). So memory is what the file holds, whatever its config asks for.
+    CheckpointError "source: ..." (one line, naming the config field where it can be told, else
+    the tensor) for weights that are not a dict of tensors (a `what` file's), or that do not fit
+    the config."""
+    if not isinstance(state_dict, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                   for k, v in state_dict.items()):
+        raise CheckpointError(f"{source}: not a usable {what} (state_dict is not a dict of tensors)")
+    for prefix, field in layers.items():
+        held = {int(k[len(prefix):].split(".", 1)[0]) for k in state_dict
+                if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()}
+        count = getattr(config, field)
+        if held != set(range(count)):
+            stack = prefix.rstrip(".").replace(".", " ")
+            what = f"{len(held)} {stack}" if len(held) != count else f"{stack} numbered {sorted(held)[:4]}..."
+            raise CheckpointError(f"{source}: model.{field} = {count} disagrees with the weights, which hold {what}")
+    try:
+        with torch.device("meta"):
+            model = build()
+    except (RuntimeError, ValueError) as e:  # a config its own checks let through
+        reason = " ".join(str(e).split())[:160]
+        raise CheckpointError(f"{source}: the model's config cannot be built ({reason})") from None
+    expected = model.state_dict()
+    _check_names(expected, state_dict, source)
+    tensors = {}
+    for key, want in expected.items():
+        tensor = state_dict[key]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise CheckpointError(f"{source}: {_disagreement(config, key, tuple(tensor.shape), tuple(want.shape))}")
+        if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.is_quantized or tensor.is_complex():
+            raise CheckpointError(f"{source}: weight '{key}' is not a plain real-valued tensor")
+        tensors[key] = tensor.to(want.dtype)
+    tied = _tied_parameters(model)
+    model.load_state_dict(tensors, assign=True)
+    for name, first in tied.items():  # assign=True gave each name its own tensor: share them again
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, model.get_parameter(first))
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{type(model).__name__}: {left[0]} is not in its state_dict, so it cannot be loaded")
+    return model
+
+
+def _check_names(expected: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    missing = [k for k in expected if k not in state_dict]
+    extra = [k for k in state_dict if k not in expected]
+    for keys, what in ((missing, "lack"), (extra, "hold")):
+        if keys:
+            more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            raise CheckpointError(f"{source}: weights do not fit the model: they {what} '{keys[0]}'{more}, which "
+                                  f"its config {'asks for' if what == 'lack' else 'has no place for'}")
+
+
+def _disagreement(config: Any, key: str, held: tuple[int, ...], wanted: tuple[int, ...]) -> str:
+    """Which config field makes tensor `key` `wanted` where the file holds `held`: the integer
+    fields equal to the first size that differs (the tensor alone when none is)."""
+    where = f"'{key}' is {held} in the weights, {wanted} for the config"
+    if len(held) != len(wanted):
+        return f"weights do not fit the model: {where}"
+    size = next(w for h, w in zip(held, wanted) if h != w)
+    fields = [f"model.{f.name}" for f in dataclasses.fields(config)
+              if type(getattr(config, f.name)) is int and getattr(config, f.name) == size]
+    if not fields:
+        return f"weights do not fit the model: {where}"
+    return f"{' or '.join(fields)} = {size} disagrees with the weights ({where})"
+
+
+def _tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """{name: the first name of the same parameter} for every parameter reachable by two names."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return tied
 
 
 def model_file(*, model: Mapping[str, Any], frontend: Mapping[str, Any], tokenizer: Mapping[str, Any],

@@ -21,7 +21,9 @@ DIR holds (EXPORT_FILE says which graph is which and links them to the rest):
     export.json        {"format": "asr-onnx", "version", "model": the model config, "frontend":
                        features + CMVN, "tokenizer": {"vocab_size", "fingerprint"}, "graphs": {name:
                        file}, "int8_graphs", "opset"}
-Every size but the layers, heads and widths is a dynamic axis: B, N, T, T', S, C. The tokenizer's
+Every size but the layers, heads and widths is a dynamic axis: B, N, T, T', S, C (the names and
+sizes are asr.onnx_model.graph_io's; each graph written is checked as loading will check it,
+asr.onnx_model.check_graph, so an exporter that writes other operators fails here). The tokenizer's
 fingerprint (sha256 of its content, `tokenizer_fingerprint`) ties it to the graphs: a tokenizer
 from another model, or one whose vocabulary is not the graphs' V, is refused on loading.
 
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asr.checkpoint import load_file
+from asr.checkpoint import CheckpointError, load_file
 from asr.config import to_dict
 from asr.fileio import atomic_open
 from asr.model import ASRModel, ExportedStepCache
@@ -48,6 +50,9 @@ from asr.onnx_model import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
     GRAPHS,
+    check_graph,
+    graph_io,
+    read_graph,
     require_extra,
     tokenizer_fingerprint,
 )
@@ -95,12 +100,6 @@ class _DecoderStep(nn.Module):
         return log_probs.view(b, n, -1), new_kv.contiguous()
 
 
-def _step_inputs(layers: int) -> list[str]:
-    """decoder_step.onnx's input names, in order."""
-    parts = [f"{part}_{layer}" for layer in range(layers) for part in ("k", "v")]
-    return ["tokens", *(f"self_{p}" for p in parts), "length", *(f"memory_{p}" for p in parts), "memory_mask"]
-
-
 def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str], list[str]]]:
     """name -> (module, example inputs, dynamic shapes, input names, output names). The examples'
     sizes differ from each other and from 0 and 1, so that no dynamic axis is specialized."""
@@ -110,6 +109,7 @@ def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str
     batch, rows, time, frames = dim("batch"), dim("beam"), dim("time", min=model.min_frames), \
         dim("frames")
     capacity = dim("capacity")
+    names = {name: tuple([v.name for v in values] for values in graph_io(name, c)) for name in GRAPHS}  # (ins, outs)
     feats, feat_lens = torch.randn(3, 230, c.n_mels), torch.tensor([230, 180, 120])
     memory, memory_lens = model.encoder(feats, feat_lens)
     memory_kv, memory_mask = _DecoderInit(model)(memory, memory_lens)
@@ -118,16 +118,14 @@ def _graphs(model: ASRModel) -> dict[str, tuple[nn.Module, tuple, dict, list[str
     memory_parts = tuple(memory_kv.flatten(0, 1))
     return {
         "encoder": (model.encoder, (feats, feat_lens), {"feats": {0: batch, 1: time}, "feat_lens": {0: batch}},
-                    ["feats", "feat_lens"], ["memory", "memory_lens"]),
-        "ctc": (_CTC(model), (memory,), {"memory": {0: batch, 1: frames}}, ["memory"], ["ctc_log_probs"]),
+                    *names["encoder"]),
+        "ctc": (_CTC(model), (memory,), {"memory": {0: batch, 1: frames}}, *names["ctc"]),
         "decoder_init": (_DecoderInit(model), (memory, memory_lens),
-                         {"memory": {0: batch, 1: frames}, "memory_lens": {0: batch}},
-                         ["memory", "memory_lens"], ["memory_kv", "memory_mask"]),
+                         {"memory": {0: batch, 1: frames}, "memory_lens": {0: batch}}, *names["decoder_init"]),
         "decoder_step": (_DecoderStep(model), (tokens, buffer, torch.tensor(4), memory_parts, memory_mask),
                          {"tokens": {0: batch, 1: rows}, "self_kv": ({0: batch, 1: rows, 3: capacity},) * 2 * layers,
                           "length": {}, "memory_kv": ({0: batch, 2: frames},) * 2 * layers,
-                          "memory_mask": {0: batch, 3: frames}},
-                         _step_inputs(layers), ["log_probs", "new_kv"]),
+                          "memory_mask": {0: batch, 3: frames}}, *names["decoder_step"]),
     }
 
 
@@ -150,9 +148,11 @@ def export_model(model_path: str | os.PathLike, out_dir: str | os.PathLike, *, i
             opset = program.model.opset_imports.get("", opset)
             program.save(os.path.join(tmp, f"{name}.onnx"))
             files[name] = f"{name}.onnx"
+            _check_written(Path(tmp, files[name]), name, model)
             if int8:
                 _quantize_graph(os.path.join(tmp, f"{name}.onnx"), os.path.join(tmp, f"{name}.int8.onnx"))
                 int8_files[name] = f"{name}.int8.onnx"
+                _check_written(Path(tmp, int8_files[name]), name, model)
         for file in [*files.values(), *int8_files.values()]:
             os.replace(os.path.join(tmp, file), out / file)
     recognizer.tokenizer.save(out)
@@ -163,6 +163,17 @@ def export_model(model_path: str | os.PathLike, out_dir: str | os.PathLike, *, i
         if (out / stale).exists():  # an earlier export's int8 graphs would not match these
             (out / stale).unlink()
     return out / EXPORT_FILE
+
+
+def _check_written(path: Path, name: str, model: ASRModel) -> None:
+    """The graph just written is one that asr.onnx_model.load_exported takes (its operators, sizes
+    and inputs): an exporter that writes another kind (a new torch version's) fails here, saying so."""
+    try:
+        check_graph(read_graph(path), path, name, model.config)
+    except CheckpointError as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        raise RuntimeError(f"the {name} graph torch.onnx wrote would be refused when loaded ({reason}); "
+                           "asr.onnx_model's checks (OPERATORS) need to learn what this exporter writes") from None
 
 
 def _quantize_graph(source: str, target: str) -> None:

@@ -42,6 +42,8 @@ __all__ = [
 
 INT16_SCALE = 32768.0  # float [-1, 1) waveform -> int16 range, as Kaldi's fbank expects
 _MS = 0.001  # the same milliseconds-to-seconds factor as torchaudio, so the frame sizes agree
+# FeatureConfig's sane ranges (the frame shift bounds the frames per second of audio, so the cost)
+_FEATURE_BOUNDS = {"n_mels": (1, 512), "frame_length_ms": (1.0, 200.0), "frame_shift_ms": (5.0, 100.0)}
 
 
 # ---------------------------------------------------------------------------------- fbank
@@ -63,6 +65,11 @@ class FeatureConfig:
             raise ValueError("features: frame_length_ms and frame_shift_ms must be > 0")
         if self.dither < 0:
             raise ValueError(f"features: dither must be >= 0, got {self.dither}")
+        # bounds on what a model file may ask of the frontend: a 0.0625 ms shift gave 160 times the
+        # frames of a 10 ms one, and a 2.4 s clip took minutes to decode
+        for name, (low, high) in _FEATURE_BOUNDS.items():
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"features: {name} must be in [{low:g}, {high:g}], got {getattr(self, name)!r}")
 
 
 DEFAULT_FEATURES = FeatureConfig()

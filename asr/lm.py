@@ -35,6 +35,7 @@ hypothesis it adds the same lm_weight * ln P_LM(words, </s>) + lm_word_bonus * l
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import math
@@ -44,7 +45,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 import torch
 
@@ -60,6 +61,10 @@ BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 NO_PROB = -99.0  # log10 "probability" of <s> (never predicted), as ARPA files write it
 _LN10 = math.log(10.0)
 _COUNT_LINE = re.compile(r"ngram\s+(\d+)\s*=\s*(\d+)$")
+_MAX_LINE = 100_000  # characters in one line of an ARPA file
+_MAX_UNUSED_LINES = 10_000  # blank lines and comments (text before \data\)
+_MAX_ORDER = 100
+_ROUNDING = 1e-4  # a log10 probability up to this far above 0 is a writer's rounding
 _SECTION = re.compile(r"\\(\d+)-grams:$")
 
 
@@ -160,74 +165,143 @@ class NgramLM:
     @classmethod
     def load(cls, path: str | os.PathLike) -> NgramLM:
         """Read an ARPA file (gzip-compressed when its name ends in .gz, as published LMs are);
-        LMError naming the file (and line) when it cannot be read or is not one."""
+        LMError naming the file (and line) when it cannot be read or is not one. The work is
+        bounded by what the file declares: reading stops at \\end\\, a section longer than its
+        declared count, more than 10,000 blank or comment lines, or a line of over 100,000
+        characters is refused where it is found (a small .gz of blank lines costs nothing)."""
+        source = os.fspath(path)
         try:
-            opener = gzip.open if os.fspath(path).endswith(".gz") else open
+            opener = gzip.open if source.endswith(".gz") else open
             with opener(path, "rt", encoding="utf-8-sig") as f:
-                return cls._read_arpa(f, os.fspath(path))
+                return cls._read_arpa(iter(functools.partial(f.readline, _MAX_LINE + 1), ""), source)
         except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
-            raise LMError(f"{path}: cannot read the language model ({e.__class__.__name__}: {e})") from None
+            raise LMError(f"{source}: cannot read the language model ({e.__class__.__name__}: {e})") from None
 
     @classmethod
     def _read_arpa(cls, lines: Iterable[str], source: str) -> NgramLM:
-        declared: dict[int, int] = {}
-        probs: list[dict[tuple[str, ...], float]] = []
-        backoffs: dict[tuple[str, ...], float] = {}
-        normalized: dict[str, str] = {}  # each distinct word normalized once
-        section = "preamble"  # then "data", k (reading k-grams), "end"
+        reader = _ArpaReader(source)
         for number, line in enumerate(lines, 1):
-            line = line.strip()
-            where = f"{source}:{number}"
-            if not line or section == "end":
-                continue
-            if line == "\\data\\":
-                section = "data"
-            elif line == "\\end\\" and section != "preamble":
-                section = "end"
-            elif section == "preamble":
-                continue  # text before \data\ is allowed (comments)
-            elif (m := _SECTION.match(line)) is not None:
-                section = int(m.group(1))
-                if section != len(probs) + 1 or section not in declared:
-                    raise LMError(f"{where}: \\{section}-grams: out of order or not declared in \\data\\")
-                probs.append({})
-            elif section == "data":
-                m = _COUNT_LINE.match(line)
-                if m is None:
-                    raise LMError(f"{where}: expected 'ngram N=COUNT' in \\data\\, got {line[:60]!r}")
-                declared[int(m.group(1))] = int(m.group(2))
-            else:
-                k = int(section)
-                fields = line.split()
-                if len(fields) not in (k + 1, k + 2):
-                    raise LMError(f"{where}: a {k}-gram line needs a log10 probability, {k} words and "
-                                  f"an optional backoff weight, got {line[:60]!r}")
-                try:
-                    numbers = [float(fields[0])] + ([float(fields[-1])] if len(fields) == k + 2 else [])
-                except ValueError:
-                    raise LMError(f"{where}: not a number in {line[:60]!r}") from None
-                if not all(math.isfinite(x) for x in numbers):
-                    raise LMError(f"{where}: not a finite number in {line[:60]!r}")
-                gram = tuple(normalized.get(w) or normalized.setdefault(w, _normalize_word(w))
-                             for w in fields[1:k + 1])
-                if gram in probs[-1]:  # words that normalize alike ("the", "The"): their probabilities add
-                    probs[-1][gram] = math.log10(10 ** probs[-1][gram] + 10 ** numbers[0])
-                    continue  # the first line's backoff weight stays
-                probs[-1][gram] = numbers[0]
-                if len(numbers) == 2:
-                    backoffs[gram] = numbers[1]
-        if section != "end":
-            raise LMError(f"{source}: not an ARPA file (no \\data\\ ... \\end\\)")
-        for k, table in enumerate(probs, 1):
-            if len(table) > declared[k]:
-                raise LMError(f"{source}: \\data\\ declares {declared[k]} {k}-grams, the file has more")
-        if len(probs) != len(declared):
-            raise LMError(f"{source}: \\data\\ declares orders up to {max(declared, default=0)}, "
-                          f"the file has {len(probs)}")
+            try:
+                if not reader.read(line, number):
+                    break
+            except LMError:
+                raise
+            except (ValueError, ArithmeticError) as e:  # anything the checks missed, still named
+                raise LMError(f"{source}:{number}: {e.__class__.__name__}: {e}") from None
+        return reader.model(cls)
+
+
+class _ArpaReader:
+    """The state of reading one ARPA file, line by line (NgramLM.load)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.declared: dict[int, int] = {}
+        self.probs: list[dict[tuple[str, ...], float]] = []
+        self.backoffs: dict[tuple[str, ...], float] = {}
+        self.normalized: dict[str, str] = {}  # each distinct word normalized once
+        self.section: str | int = "preamble"  # then "data", k (reading k-grams), "end"
+        self.in_section = 0  # n-gram lines read in this section
+        self.unused = 0  # blank and comment lines so far
+
+    def read(self, line: str, number: int) -> bool:
+        """Take one line (number `number`); False once \\end\\ is read (nothing after it is read)."""
+        where = _Where(self.source, number)  # formatted only for an error
+        if len(line) > _MAX_LINE:
+            raise LMError(f"{where}: a line of over {_MAX_LINE:,} characters: not an ARPA file")
+        line = line.strip()
+        if not line or (self.section == "preamble" and line != "\\data\\"):  # text before \data\: comments
+            self.unused += 1
+            if self.unused > _MAX_UNUSED_LINES:
+                raise LMError(f"{where}: more than {_MAX_UNUSED_LINES:,} blank or comment lines: not an ARPA file")
+            return True
+        if line == "\\data\\":
+            self.section = "data"
+        elif line == "\\end\\":
+            self.section = "end"
+            return False
+        elif (m := _SECTION.match(line)) is not None:
+            self._start_section(m.group(1), where)
+        elif self.section == "data":
+            m = _COUNT_LINE.match(line)
+            if m is None:
+                raise LMError(f"{where}: expected 'ngram N=COUNT' in \\data\\, got {line[:60]!r}")
+            order, count = _count(m.group(1), "order", where), _count(m.group(2), "count", where)
+            if not 1 <= order <= _MAX_ORDER:
+                raise LMError(f"{where}: n-gram order {order}: this reader takes orders 1 to {_MAX_ORDER}")
+            self.declared[order] = count
+        else:
+            self._ngram(line, where)
+        return True
+
+    def _start_section(self, text: str, where: _Where) -> None:
+        order = _count(text, "order", where)
+        if order != len(self.probs) + 1 or order not in self.declared:
+            raise LMError(f"{where}: \\{order}-grams: out of order or not declared in \\data\\")
+        self.section, self.in_section = order, 0
+        self.probs.append({})
+
+    def _ngram(self, line: str, where: _Where) -> None:
+        k = int(self.section)
+        self.in_section += 1
+        if self.in_section > self.declared[k]:
+            raise LMError(f"{where}: \\data\\ declares {self.declared[k]} {k}-grams, the file has more")
+        fields = line.split()
+        if len(fields) not in (k + 1, k + 2):
+            raise LMError(f"{where}: a {k}-gram line needs a log10 probability, {k} words and "
+                          f"an optional backoff weight, got {line[:60]!r}")
         try:
-            return cls(probs, backoffs)
+            numbers = [float(fields[0])] + ([float(fields[-1])] if len(fields) == k + 2 else [])
+        except ValueError:
+            raise LMError(f"{where}: not a number in {line[:60]!r}") from None
+        if not all(math.isfinite(x) for x in numbers):
+            raise LMError(f"{where}: not a finite number in {line[:60]!r}")
+        if numbers[0] > _ROUNDING:
+            raise LMError(f"{where}: log10 probability {fields[0][:20]} is above 0 (a probability over 1)")
+        normalized = self.normalized
+        gram = tuple(normalized.get(w) or normalized.setdefault(w, _normalize_word(w)) for w in fields[1:k + 1])
+        table = self.probs[-1]
+        if gram in table:  # words that normalize alike ("the", "The"): their probabilities add
+            table[gram] = _log10_add(table[gram], numbers[0])
+            return  # the first line's backoff weight stays
+        table[gram] = numbers[0]
+        if len(numbers) == 2:
+            self.backoffs[gram] = numbers[1]
+
+    def model(self, cls: type[NgramLM]) -> NgramLM:
+        """The model read, once the lines are over."""
+        if self.section != "end":
+            raise LMError(f"{self.source}: not an ARPA file (no \\data\\ ... \\end\\)")
+        if len(self.probs) != len(self.declared):
+            raise LMError(f"{self.source}: \\data\\ declares orders up to {max(self.declared, default=0)}, "
+                          f"the file has {len(self.probs)}")
+        try:
+            return cls(self.probs, self.backoffs)
         except LMError as e:
-            raise LMError(f"{source}: {e}") from None
+            raise LMError(f"{self.source}: {e}") from None
+
+
+class _Where(NamedTuple):
+    """file:line, for messages."""
+
+    source: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+def _count(digits: str, what: str, where: _Where) -> int:
+    """A declared order or count: at most 15 digits (int() refuses 4,300 with its own words)."""
+    if len(digits) > 15:
+        raise LMError(f"{where}: an n-gram {what} of {len(digits):,} digits")
+    return int(digits)
+
+
+def _log10_add(a: float, b: float) -> float:
+    """log10(10^a + 10^b) without overflow or underflow."""
+    high, low = max(a, b), min(a, b)
+    return high + math.log10(1.0 + 10.0 ** (low - high))
 
 
 def _normalize_word(word: str) -> str:

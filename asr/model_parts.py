@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-from asr.checkpoint import CheckpointError
+from asr.checkpoint import CheckpointError, check_sizes
 from asr.config import from_dict
 from asr.features import CMVNStats, FeatureConfig, GlobalCMVN
 from asr.model import ModelConfig
@@ -45,10 +45,13 @@ def read_parts(obj: dict[str, Any], source: str, *, what: str, tokenizer: Tokeni
     dict), read from `source` (a `what`: "model file", "export description"). `tokenizer`: one the
     caller has read and checked itself (an export's, checked against its graphs), instead of
     obj["tokenizer"]'s. CheckpointError (one line naming `source`) for a part that cannot be read,
-    a tokenizer read here whose vocabulary is not the model's, or mel bins on which the frontend,
-    its CMVN statistics and the model disagree."""
+    sizes beyond asr.checkpoint.SIZE_LIMITS or frontend values beyond FeatureConfig's bounds, a
+    tokenizer read here whose vocabulary is not the model's, or mel bins on which the frontend, its
+    CMVN statistics and the model disagree."""
     with usable(source, what):
         config = from_dict(ModelConfig, obj["model"], source=source, prefix="model.")
+    check_sizes(config, source)
+    with usable(source, what):
         features = from_dict(FeatureConfig, obj["frontend"]["features"], source=source, prefix="frontend.features.")
         cmvn = GlobalCMVN(CMVNStats.from_dict(obj["frontend"]["cmvn"]))
         own = tokenizer is None

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asr.checkpoint import LM_FORMAT, VERSION, CheckpointError, load_file
+from asr.checkpoint import LM_FORMAT, VERSION, CheckpointError, check_sizes, load_file, load_weights
 from asr.model import DecoderCache, LMConfig, TransformerLM
 from asr.scorer import CacheScorer
 from asr.tokenizer import Tokenizer, tokenizer_from_dict
@@ -105,20 +105,26 @@ class NeuralLM:
 
 
 def load_neural_lm(path: str | os.PathLike, device: str | torch.device = "cpu") -> NeuralLM:
-    """Read an LM file; CheckpointError naming the file when it is not one (or is newer)."""
+    """Read an LM file; CheckpointError naming the file when it is not one (or is newer), when its
+    config asks for sizes beyond asr.checkpoint.SIZE_LIMITS, or when its config and weights
+    disagree (checked before anything is allocated: asr.checkpoint.load_weights)."""
     obj = load_file(path, LM_FORMAT)
+    source = os.fspath(path)
     try:
+        if not isinstance(obj.get("model"), dict):
+            raise TypeError("'model' is not a dict")
         config = LMConfig(**obj["model"])
         tokenizer = dict(obj["tokenizer"])
         tokenizer_from_dict(tokenizer)
         if obj.get("tokenizer_sha256", tokenizer_hash(tokenizer)) != tokenizer_hash(tokenizer):
             raise ValueError("its tokenizer does not match the hash it was saved with")
-        model = TransformerLM(config)
-        model.load_state_dict(obj["state_dict"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: not a usable LM file ({reason})") from None
-    return NeuralLM(model.to(device).eval(), tokenizer, os.fspath(path))
+        raise CheckpointError(f"{source}: not a usable LM file ({reason})") from None
+    check_sizes(config, source)
+    model = load_weights(lambda: TransformerLM(config), obj.get("state_dict"), source, config,
+                         layers={"layers.": "n_layers"}, what="LM file")
+    return NeuralLM(model.to(device).eval(), tokenizer, source)
 
 
 # ---------------------------------------------------------------------------------------------

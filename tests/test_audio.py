@@ -6,6 +6,7 @@ known, so the content is checked by correlation with the expected 16 kHz sine.""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -271,6 +272,89 @@ def test_truncated_file(tmp_path, fmt, ext, words):
     assert_error(path, *words)
     with pytest.raises(AudioError):
         list(iter_blocks(path))
+
+
+def noise(seconds: float, rate: int = 16000) -> np.ndarray:
+    """(T,) float32 noise: compresses to many Ogg pages and FLAC frames, unlike a tone."""
+    return (0.1 * np.random.default_rng(0).standard_normal(round(seconds * rate))).astype(np.float32)
+
+
+def cut(path: Path, at: int) -> Path:
+    """A copy of `path` holding its first `at` bytes, beside it."""
+    out = path.with_name(f"cut-{at}-{path.name}")
+    out.write_bytes(path.read_bytes()[:at])
+    return out
+
+
+def cut_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (a file cut short, what the message says): every container whose end can be told."""
+    files = {}
+    for fmt, subtype, ext in [("WAV", "PCM_16", "wav"), ("FLAC", "PCM_16", "flac"), ("MP3", "MPEG_LAYER_III", "mp3"),
+                              ("OGG", "VORBIS", "ogg"), ("OGG", "OPUS", "opus")]:
+        path = folder / f"a.{ext}"
+        if fmt not in sf.available_formats() or subtype not in sf.available_subtypes(fmt):
+            continue
+        write(path, noise(3.0), 16000, fmt, subtype)
+        size = path.stat().st_size
+        reason = {"WAV": "truncated: the header announces", "FLAC": "truncated or damaged: decoding fails at",
+                  "MP3": "truncated: decoding ends at frame"}.get(fmt, "truncated: the last ogg page")
+        files[ext] = cut(path, int(size * 0.6)), reason.lower()
+        if fmt == "OGG":  # cut where a page begins: every page whole, the last without end-of-stream
+            page = path.read_bytes().rfind(b"OggS", 0, int(size * 0.6))
+            files[f"{ext}-page"] = cut(path, page), "truncated: the ogg stream ends without"
+    return files
+
+
+def test_a_cut_file_is_read_as_far_as_it_goes_with_a_warning(tmp_path):
+    """A file that ends before its container says it should (a WAV's data size, a FLAC's or MP3's
+    frame count, an Ogg stream's pages) is an AudioError saying "truncated" for load_audio and
+    iter_blocks; with on_truncated, iter_blocks yields the audio that is there (for a FLAC cut inside
+    a frame, all but the damaged frame) and reports it once, in one line naming the file. Complete
+    files, and segments that end before the cut, are not reported."""
+    files = cut_files(tmp_path)
+    assert {"wav", "flac", "mp3", "ogg", "ogg-page"} <= set(files)
+    for name, (path, reason) in files.items():
+        assert_error(path, "truncated")
+        with pytest.raises(AudioError, match="truncated"):
+            list(iter_blocks(path))
+        messages = []
+        got = torch.cat(list(iter_blocks(path, block_seconds=0.5, on_truncated=messages.append)))
+        assert len(messages) == 1 and messages[0].lower().startswith(f"{path}: {reason}".lower()), (name, messages)
+        assert 0.8 < len(got) / 16000 < 2.0, name  # 60% of 3 s, give or take a codec's frame and page
+        if name == "wav":  # exactly what the whole file holds there
+            assert torch.equal(got, load_audio(tmp_path / "a.wav", end=len(got) / 16000))
+    assert load_audio(files["ogg-page"][0], end=0.5).shape == (8000,)  # short of the cut: nothing missing
+    for ext in ("wav", "flac", "mp3", "ogg"):
+        whole = tmp_path / f"a.{ext}"
+        messages = []
+        assert torch.cat(list(iter_blocks(whole, on_truncated=messages.append))).numel() and not messages
+
+
+def test_the_content_picks_the_decoder_and_odd_names_are_named(tmp_path):
+    """libsndfile reads an open descriptor: a WAV named .raw is a WAV, text named .vox is not audio
+    (a name's suffix never picks a headerless decoder). A name that is not UTF-8 reads as bytes or
+    as os.fsdecode's str; NUL and newlines in a name are one-line errors with the name escaped."""
+    wave = noise(0.5)
+    sf.write(tmp_path / "a.wav", wave, 16000)
+    data = (tmp_path / "a.wav").read_bytes()
+    (tmp_path / "a.raw").write_bytes(data)
+    assert load_audio(tmp_path / "a.raw").shape == (8000,)
+    (tmp_path / "a.vox").write_text("not the sounds you are looking for\n" * 40)
+    assert_error(tmp_path / "a.vox", "not an audio file")
+    name = bytes(tmp_path) + b"/caf\xe9-\xff.wav"
+    with open(name, "wb") as f:
+        f.write(data)
+    assert torch.equal(load_audio(name), load_audio(os.fsdecode(name)))
+    assert torch.equal(torch.cat(list(iter_blocks(os.fsdecode(name)))), load_audio(tmp_path / "a.wav"))
+    (tmp_path / "cut.flac").write_bytes(b"")
+    for path, shown, reason in [
+        (os.fsdecode(bytes(tmp_path) + b"/gone-\xe9.wav"), f"{tmp_path}/gone-\\xe9.wav", "no such file"),
+        (f"{tmp_path}/a\0.wav", f"{tmp_path}/a\\x00.wav", "a file name cannot hold a NUL character"),
+        (f"{tmp_path}/line\nbreak.wav", f"{tmp_path}/line\\nbreak.wav", "no such file"),
+    ]:
+        with pytest.raises(AudioError) as err:
+            load_audio(path)
+        assert str(err.value) == f"{shown}: {reason}" and err.value.path == path
 
 
 def test_corrupt_flac_frames_and_wav_header(tmp_path):

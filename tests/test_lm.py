@@ -197,6 +197,46 @@ def test_a_bad_arpa_file_is_named_with_its_line(tmp_path, text, message):
         NgramLM.load(tmp_path / "lm.arpa")
 
 
+def test_arpa_errors_name_the_file(tmp_path):
+    """Every problem is an LMError naming the file and the line (int()'s 4,300-digit limit, an
+    overflow and a math domain error among them before); spellings that normalize alike add their
+    probabilities without overflow or underflow; reading stops at \\end\\, and the work is bounded
+    by what the file declares: a gzip file of 64 MiB of blank lines (65 kB on disk) is refused
+    after 10,000 of them, and a 100,000-character line is not read whole."""
+    head = "\\data\\\nngram 1=3\n\n\\1-grams:\n-1 </s>\n"
+    cases = {
+        "overflow.arpa": (head + "400 a\n400 A\n\\end\\\n", ":6: log10 probability 400 is above 0"),
+        "digits.arpa": (f"\\data\\\nngram 1={'9' * 4301}\n", ":2: an n-gram count of 4,301 digits"),
+        "order.arpa": (f"\\data\\\nngram {'1' * 4301}=1\n", ":2: an n-gram order of 4,301 digits"),
+        "section.arpa": (f"\\data\\\nngram 1=1\n\\{'1' * 4301}-grams:\n", ":3: an n-gram order of 4,301 digits"),
+        "high.arpa": ("\\data\\\nngram 1000=1\n", ":2: n-gram order 1000: this reader takes orders 1 to 100"),
+        "more.arpa": (head + "-1 a\n-1 b\n-1 c\n" + "-1 d\n" * 1000 + "\\end\\\n",
+                      ":8: \\data\\ declares 3 1-grams, the file has more"),
+        "long.arpa": (head + "-1 " + "a" * 200_000 + "\n", ":6: a line of over 100,000 characters"),
+    }
+    for name, (text, reason) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(LMError) as err:
+            NgramLM.load(tmp_path / name)
+        assert str(err.value).startswith(f"{tmp_path / name}:") and reason in str(err.value), str(err.value)
+        assert "\n" not in str(err.value)
+    (tmp_path / "tiny.arpa").write_text(head + "-400 a\n-400 A\n\\end\\\n")  # 10^-400: 0 as a float
+    assert NgramLM.load(tmp_path / "tiny.arpa").log10_prob([], "A") == pytest.approx(-400 + math.log10(2))
+
+    with gzip.open(tmp_path / "blank.arpa.gz", "wb") as f:
+        f.write(head.encode() + b"-1 a\n-1 b\n")
+        for _ in range(64):
+            f.write(b"\n" * 2**20)
+        f.write(b"\\end\\\n")
+    assert (tmp_path / "blank.arpa.gz").stat().st_size < 100_000
+    with pytest.raises(LMError, match=r"blank\.arpa\.gz:10007: more than 10,000 blank or comment lines"):
+        NgramLM.load(tmp_path / "blank.arpa.gz")
+    with gzip.open(tmp_path / "tail.arpa.gz", "wb") as f:  # after \end\: never read, to its cut end
+        f.write(head.encode() + b"-1 a\n-1 b\n\\end\\\n" + b"junk\n" * 2**24)
+    (tmp_path / "tail.arpa.gz").write_bytes((tmp_path / "tail.arpa.gz").read_bytes()[:-100])
+    assert NgramLM.load(tmp_path / "tail.arpa.gz").vocab_size == 2
+
+
 def test_a_cut_gzip_file_is_named(tmp_path):
     train_ngram(CORPUS, 2).save(tmp_path / "lm.arpa.gz")
     raw = (tmp_path / "lm.arpa.gz").read_bytes()

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -290,12 +291,62 @@ def test_transcribe_goes_on_past_bad_files_and_fails_at_the_end(mixed, asr_cli):
                                          "gone.flac", "g6.wav")]
     code, out, err = asr_cli("transcribe", "--model", model, "--device", "cpu", "--beam-size", "2", *files)
     assert code == 1 and "Traceback" not in err
-    assert [line.split("\t")[0] for line in out.splitlines()] == [str(folder / n) for n in
-                                                                  ("g8.wav", "g96.flac", "one.wav", "g6.wav")]
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        str(folder / n) for n in ("g8.wav", "cut.wav", "g96.flac", "huge.flac", "one.wav", "g6.wav")]
     errors = err.strip().splitlines()
-    assert errors[-1] == "asr transcribe: 4 of 8 inputs failed"
-    for name in ("cut.wav", "huge.flac", "odd.wav", "gone.flac"):
+    assert errors[-1] == "asr transcribe: 2 of 8 inputs failed"
+    for name in ("odd.wav", "gone.flac"):
         assert sum(line.startswith(f"asr transcribe: error: {folder / name}: ") for line in errors) == 1
+    for name in ("cut.wav", "huge.flac"):  # cut short: transcribed as far as they go, with a warning
+        assert sum(line.startswith(f"{folder / name}: truncated") for line in errors) == 1, err
+
+
+def test_non_utf8_file_names_transcribe(tmp_path):
+    """A file whose name is not UTF-8 transcribes, through the API (given as bytes or as os.fsdecode's
+    str, which Result.path keeps, so os.fsencode gives the name back) and through `asr transcribe`
+    (its argument as Python decodes argv); so does a WAV named .raw (libsndfile picks the decoder by
+    the content). A NUL in a name is a one-line error, the name escaped."""
+    from asr.api import load_model
+
+    model = write_model_file(tmp_path / "model.pt", eos_bias=0.0)
+    name = bytes(tmp_path) + b"/caf\xe9 \xff.wav"
+    sf.write(tmp_path / "plain.wav", speechlike(1.5, 3), 16000)
+    with open(name, "wb") as f:
+        f.write((tmp_path / "plain.wav").read_bytes())
+    (tmp_path / "plain.raw").write_bytes((tmp_path / "plain.wav").read_bytes())
+    recognizer = load_model(model)
+    inputs = [name, os.fsdecode(name), str(tmp_path / "plain.raw"), str(tmp_path / "plain.wav"), f"{tmp_path}/a\0.wav"]
+    results = recognizer.transcribe(inputs, beam_size=2)
+    assert [r.error for r in results[:4]] == [None] * 4
+    assert len({r.text for r in results[:4]}) == 1 and results[0].text
+    assert results[0].path == results[1].path == os.fsdecode(name) and os.fsencode(results[0].path) == name
+    assert results[0].duration == pytest.approx(1.5)
+    assert results[4].error == f"{tmp_path}/a\\x00.wav: a file name cannot hold a NUL character"
+
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", "--model", model, "--beam-size", "2",
+                           name, tmp_path / "plain.raw"], capture_output=True, timeout=300)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    text = results[0].text.encode()
+    assert done.stdout.splitlines() == [name + b"\t" + text, bytes(tmp_path / "plain.raw") + b"\t" + text]
+
+
+def test_a_cut_file_is_transcribed_with_a_warning(tmp_path, caplog):
+    """A file cut short (here an Ogg file cut at a page boundary, which decodes without error) is
+    transcribed as far as it goes, and its Result says so in a warning naming the file, also logged
+    (the command prints it)."""
+    from asr.api import load_model
+
+    sf.write(tmp_path / "whole.ogg", speechlike(3.0, 4), 16000, format="OGG", subtype="VORBIS")
+    data = (tmp_path / "whole.ogg").read_bytes()
+    (tmp_path / "half.ogg").write_bytes(data[:data.rfind(b"OggS", 0, len(data) // 2)])
+    recognizer = load_model(write_model_file(tmp_path / "model.pt", eos_bias=0.0))
+    with caplog.at_level(logging.WARNING, logger="asr.api"):
+        half, whole = recognizer.transcribe([tmp_path / "half.ogg", tmp_path / "whole.ogg"], beam_size=2)
+    assert half.error is None and 0.5 < half.duration < 2.0 and whole.duration == pytest.approx(3.0)
+    message = (f"{tmp_path / 'half.ogg'}: truncated: the Ogg stream ends without its end-of-stream page "
+               "(the file was cut)")
+    assert half.warnings == (message,) and whole.warnings == ()
+    assert [r.getMessage() for r in caplog.records] == [message]
 
 
 def test_cmvn_counts_what_it_skips(mixed, tmp_path, asr_cli):

@@ -11,6 +11,8 @@ import json
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -208,18 +210,103 @@ def edited_model(tmp_path: Path, edit) -> Path:
     (lambda o: o.update(tokenizer={"kind": "bpe", "model": b"\x0a\x05garbage"}), "not a sentencepiece model"),
     (lambda o: o["tokenizer"].update(tokens=list("ABCDEFG ")), "a tokenizer of 11 tokens for a model of 12"),
     (lambda o: o["frontend"]["features"].update(n_mels=40), "40 mel bins in the frontend"),
-    (lambda o: o["model"].update(encoder_layers=10**6), "layers cannot fit in"),
-    (lambda o: o["model"].update(d_model=2**40, n_heads=1), "cannot be built"),
+    (lambda o: o["model"].update(encoder_layers=10**6), "model.encoder_layers = 1000000 is more than this toolkit"),
+    (lambda o: o["model"].update(decoder_layers=3), "model.decoder_layers = 3 disagrees with the weights, which "
+                                                     "hold 2 decoder layers"),
+    (lambda o: o["model"].update(d_model=2**40, n_heads=1), "model.d_model = 1099511627776 is more than"),
+    (lambda o: o["model"].update(ffn_dim=128), "model.ffn_dim = 128 disagrees with the weights ('encoder.layers.0."),
     (lambda o: o["model"].update(dropout="high"), "'model.dropout' must be a number"),
     (lambda o: o.pop("frontend"), "missing 'frontend'"),
-    (lambda o: o["state_dict"].update({"ctc.weight": torch.zeros(3)}), "weights do not fit the model"),
-], ids=["duplicate-tokens", "non-char-token", "sentencepiece-bytes", "vocab-size", "n_mels", "layers",
-        "d_model", "type", "frontend", "shape"])
+    (lambda o: o["frontend"]["features"].update(frame_shift_ms=0.0625), "frame_shift_ms must be in [5, 100]"),
+    (lambda o: o["state_dict"].update({"ctc.weight": torch.zeros(3)}), "'ctc.weight' is (3,) in the weights, (12, 32)"),
+    (lambda o: o["state_dict"].pop("ctc.bias"), "weights do not fit the model: they lack 'ctc.bias'"),
+    (lambda o: o["state_dict"].update({"extra": torch.zeros(1)}), "weights do not fit the model: they hold 'extra'"),
+    (lambda o: o.update(state_dict=[1, 2]), "state_dict is not a dict of tensors"),
+], ids=["duplicate-tokens", "non-char-token", "sentencepiece-bytes", "vocab-size", "n_mels", "layers", "layer-count",
+        "d_model", "ffn_dim", "type", "frontend", "frame-shift", "shape", "missing", "extra", "not-tensors"])
 def test_inconsistent_model_files_are_refused_before_use(tmp_path, edit, reason):
     path = edited_model(tmp_path, edit)
     with pytest.raises(CheckpointError) as err:
         asr.load_model(path)
     assert str(err.value).startswith(f"{path}: ") and reason in str(err.value) and "\n" not in str(err.value)
+
+
+HUGE = {"d_model": 2048, "n_heads": 8, "ffn_dim": 8192}  # per layer ~50 M parameters: 200 MB of float32
+
+LOAD_AND_MEASURE = """
+import resource, sys
+import asr
+from asr.neural_lm import load_neural_lm
+asr.load_model(sys.argv[1])  # what a load imports, in memory before measuring
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for load, path in [(asr.load_model, p) for p in sys.argv[2:4]] + [(load_neural_lm, p) for p in sys.argv[4:]]:
+    try:
+        load(path)
+        print("loaded", path)
+    except Exception as e:
+        print(type(e).__name__, str(e).replace(chr(10), "|"))
+print("grew_mb", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_small_file_cannot_ask_for_a_huge_model(tmp_path):
+    """Model and LM files whose configs ask for gigabytes of network (the files: a few kB) are refused
+    in one line naming the file and the config field, and loading them allocates nothing: the
+    network is built on the meta device and compared with the weights first (its layer counts
+    before even that). Measured in a fresh process: its peak memory grows by under 100 MB, where
+    building these networks would take 1 to 3 GB."""
+    from test_neural_lm import tiny_lm
+
+    from asr.config import to_dict
+    from asr.neural_lm import lm_file
+    from asr.tokenizer import CharTokenizer
+
+    obj = torch.load(write_model_file(tmp_path / "model.pt"), weights_only=True)
+    files = [tmp_path / name for name in ("asr_weights.pt", "asr_none.pt", "lm_weights.pt", "lm_none.pt")]
+    save_atomic(dict(obj, model=dict(obj["model"], **HUGE)), files[0])  # the tiny model's weights, 2 + 2 layers
+    save_atomic(dict(obj, model=dict(obj["model"], encoder_layers=6, decoder_layers=6, **HUGE),
+                     state_dict={f"w{i}": torch.zeros(1) for i in range(12)}), files[1])
+    tokenizer = CharTokenizer(list("ABCDEFGH ")).to_dict()
+    lm = tiny_lm(0, dtype=torch.float32)
+    save_atomic(lm_file(model=dict(to_dict(lm.config), **HUGE), tokenizer=tokenizer, state_dict=lm.state_dict()),
+                files[2])
+    save_atomic(lm_file(model=dict(to_dict(lm.config), **HUGE, n_layers=12), tokenizer=tokenizer, state_dict={}),
+                files[3])
+    assert files[1].stat().st_size < 16_000 and files[3].stat().st_size < 4_000
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_MEASURE, str(tmp_path / "model.pt"), *map(str, files)],
+                          capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    *lines, grew = done.stdout.splitlines()
+    assert lines == [
+        f"CheckpointError {files[0]}: model.d_model = 2048 disagrees with the weights "
+        "('encoder.subsampling.out.weight' is (32, 152) in the weights, (2048, 152) for the config)",
+        f"CheckpointError {files[1]}: model.encoder_layers = 6 disagrees with the weights, which hold 0 encoder layers",
+        f"CheckpointError {files[2]}: model.d_model = 2048 disagrees with the weights "
+        "('embed.weight' is (12, 32) in the weights, (12, 2048) for the config)",
+        f"CheckpointError {files[3]}: model.n_layers = 12 disagrees with the weights, which hold 0 layers",
+    ]
+    assert int(grew.split()[1]) < 100, grew
+
+
+def test_weights_are_the_files_own_tensors(tmp_path):
+    """Loading gives the model the file's float32 tensors without a copy, keeps tied weights tied,
+    and converts other float types to float32 as before."""
+    path = write_model_file(tmp_path / "model.pt")
+    model = asr.load_model(path).model
+    obj = torch.load(path, weights_only=True)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta for p in model.parameters())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in obj["state_dict"].items())
+    obj["state_dict"] = {k: v.half() for k, v in obj["state_dict"].items()}
+    save_atomic(obj, tmp_path / "half.pt")
+    assert all(p.dtype == torch.float32 for p in asr.load_model(tmp_path / "half.pt").model.parameters())
+
+    from test_neural_lm import save_lm, tiny_lm
+
+    from asr.neural_lm import load_neural_lm
+
+    loaded = load_neural_lm(save_lm(tmp_path / "lm.pt", tiny_lm(0, dtype=torch.float32))).model
+    assert loaded.output.weight is loaded.embed.weight and loaded.config.tie_embeddings
 
 
 def test_tokenizer_folders_from_users_are_checked(tmp_path):
