@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from asr.augment import AugmentConfig
 from asr.corpora import speed_perturb
 from asr.dataset import ASRDataset, Batch, Example, Skipped, collate, collate_waves, derive_seed, split_skipped
 from asr.feature_archive import ArchiveWriter, FeatureArchive
@@ -53,6 +54,8 @@ class DataConfig:
     speed_perturb: list[float] | None = None  # e.g. [0.9, 1.1]: extra copies in training
     features: FeatureConfig = field(default_factory=FeatureConfig)
     specaug: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # training only
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # training only: noise, reverberation,
+    # spectral warping per utterance (asr.augment); all off by default
     # where fbank, CMVN and SpecAugment run: "cpu" in the loader workers (Batches of features), or
     # "device" on the training device in the training step (workers give WaveBatches of waveforms,
     # asr.device_frontend computes the features); "device" excludes a feature archive
@@ -127,7 +130,7 @@ class _BatchLoading(Dataset):
 
     def __getitem__(self, key: _BatchKey) -> _Collated:
         if self.waveforms:
-            kept, skipped = split_skipped(self.dataset.waveform(i) for i in key.indices)
+            kept, skipped = split_skipped(self.dataset.waveform(i, key.epoch) for i in key.indices)
             return _Collated(collate_waves(kept, epoch=key.epoch), [(s.id, s.reason) for s in skipped])
         kept, skipped = split_skipped(self.dataset.get(i, key.epoch) for i in key.indices)
         generator = None
@@ -237,7 +240,7 @@ def make_loader(
         utts = speed_perturb(utts, config.speed_perturb)
     utts = select_by_duration(utts, config.min_duration, config.max_duration, report=rank == 0)
     dataset = ASRDataset(utts, tokenizer, features=config.features, cmvn=cmvn, training=training, seed=seed,
-                         archive=archive)
+                         archive=archive, augment=config.augment if training else None)
     batches = DurationBucketSampler(
         dataset.durations,
         max_batch_seconds=config.max_batch_seconds,

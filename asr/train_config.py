@@ -37,6 +37,8 @@ class TrainingConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-9
     weight_decay: float = 1e-2
+    decay_norms_and_biases: bool = True  # false: no weight decay on 1-D parameters (biases, LayerNorm
+    # scales and shifts), as ESPnet's exclude_weight_decay
     scheduler: Literal["noam", "cosine", "constant"] = "noam"
     warmup_steps: int = 25000  # optimizer steps
     min_lr: float = 0.0  # the floor of the cosine schedule

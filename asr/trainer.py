@@ -213,8 +213,8 @@ def make_run(training: TrainingConfig, model: torch.nn.Module, exp: Path, ctx: C
     # fused: one kernel over all parameters instead of a chain of ops per tensor (the same update
     # to rounding), on a CPU as on a GPU
     fused = ctx.device.type in ("cpu", "cuda")
-    optimizer = opt_cls(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay,
-                        fused=fused or None)
+    optimizer = opt_cls(parameter_groups(model, tc.weight_decay, tc.decay_norms_and_biases), lr=tc.lr,
+                        betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay, fused=fused or None)
     dtype = _autocast_dtype(tc.precision, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
     n_params = sum(p.numel() for p in model.parameters())
@@ -261,6 +261,16 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool) -> list[dict]:
+    """The optimizer's parameter groups: all with `weight_decay`, or (decay_norms_and_biases false)
+    the 1-D parameters (biases, LayerNorm scales and shifts) in a group of their own without it."""
+    params = list(model.parameters())
+    if decay_norms_and_biases:
+        return [{"params": params}]
+    return [{"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
 def _log_plan(plan: BatchPlan, unit: Unit) -> None:

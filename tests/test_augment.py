@@ -192,3 +192,18 @@ def test_the_dataset_augments_training_utterances_per_epoch_and_index(tmp_path):
     assert changed == [d.noise is not None or d.rt60 is not None or d.warp != 1.0 for d in draws]
     assert any(changed)
     assert dataset(training=False).augmenter is None
+
+
+def test_data_augment_reaches_the_training_loader_only(tmp_path):
+    """`data.augment` in a config: the training loader's dataset augments, the validation one not."""
+    from data_helpers import loader_config, write_audio  # tests/data_helpers.py
+
+    from asr.loader import DataConfig, make_loader
+    from asr.manifest import Utterance
+
+    config = from_dict(DataConfig, {"augment": {"noise": {"prob": 0.5}}, "max_batch_seconds": 3.0,
+                                    "num_workers": 0}, source="c.yaml", prefix="data.")
+    assert config.augment.noise.prob == 0.5 and not loader_config().augment.enabled
+    utts = [Utterance("u0", str(write_audio(tmp_path / "u0.wav", 1.0)), 1.0, "a b")]
+    assert make_loader(utts, None, config, training=True).dataset.dataset.augmenter is not None
+    assert make_loader(utts, None, config, training=False).dataset.dataset.augmenter is None

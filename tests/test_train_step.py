@@ -287,3 +287,36 @@ def test_auto_on_a_cpu_is_the_documented_cap(tmp_path):
     assert "no GPU to probe on cpu: AUTO_CPU_SECONDS (200 s) lowered to divide the step" in out.stderr
     assert "data.max_batch_seconds auto: 200 s (the smallest over 1 process(es))" in out.stderr
     assert "a step: 3 micro-batches of at most 200 padded seconds" in out.stderr
+
+
+@pytest.mark.parametrize("decay_norms_and_biases", [True, False])
+def test_weight_decay_can_exclude_norms_and_biases(decay_norms_and_biases):
+    """training.decay_norms_and_biases false: one AdamW step with zero gradients shrinks every
+    matrix by lr x weight_decay and leaves the biases and LayerNorm parameters as they were (true:
+    every parameter shrinks, as before)."""
+    import dataclasses
+
+    from small_models import SMALL  # tests/small_models.py
+
+    from asr.model import ASRModel
+    from asr.trainer import parameter_groups
+
+    torch.manual_seed(0)
+    model = ASRModel(dataclasses.replace(SMALL, encoder="conformer", conv_kernel=5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # LayerNorm shifts and biases start at 0: make them visible
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(parameter_groups(model, 0.1, decay_norms_and_biases), lr=0.5, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    norms = {f"{name}.{kind}" for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)
+             for kind in ("weight", "bias")}
+    assert norms
+    for name, p in model.named_parameters():
+        shrunk = torch.allclose(p, before[name] * (1 - 0.5 * 0.1))
+        kept = torch.equal(p, before[name])
+        one_d = p.ndim < 2
+        assert (kept if one_d and not decay_norms_and_biases else shrunk), name
+        assert not (name in norms and not one_d)
