@@ -3,6 +3,7 @@ inside the handlers so that `asr --help` answers at once."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -200,18 +201,29 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                             search_threads=thread_policy(args.threads))
     if args.format == "all" and not args.output_dir:
         raise ValueError("--format all needs --output-dir DIR")
-    results = recognizer.transcribe(audio, raw=raw, word_timestamps=args.word_timestamps)
     if args.output_dir:
-        for path in _write_outputs(results, args.output_dir, args.format):
-            print(path)
-    else:
-        sys.stdout.write(format_results(results, args.format))
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails first
+    results = recognizer.transcribe(audio, raw=raw, word_timestamps=args.word_timestamps)
+    with contextlib.suppress(AttributeError, ValueError):  # names that are not UTF-8 print as their bytes
+        sys.stdout.reconfigure(errors="surrogateescape")
     failed = [r for r in results if r.error is not None]
     for r in failed:
         print(f"asr transcribe: error: {r.error}", file=sys.stderr)
+    unwritten = []
+    if args.output_dir:
+        for path, error in _write_outputs(results, args.output_dir, args.format):
+            if error is None:
+                print(path, flush=True)
+            else:
+                unwritten.append(path)
+                print(f"asr transcribe: error: cannot write {path}: {error}", file=sys.stderr)
+    else:
+        sys.stdout.write(format_results(results, args.format))
     if failed:
         print(f"asr transcribe: {len(failed)} of {len(results)} inputs failed", file=sys.stderr)
-    return 1 if failed else 0
+    if unwritten:
+        print(f"asr transcribe: {len(unwritten)} output files could not be written", file=sys.stderr)
+    return 1 if failed or unwritten else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -224,16 +236,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from asr.serve import ServeOptions, run
 
     options = ServeOptions(max_upload_mb=args.max_upload_mb, max_seconds=args.max_seconds,
-                           queue_size=args.queue_size, batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms)
+                           queue_size=args.queue_size, batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms,
+                           max_uploads=args.max_uploads, max_temp_mb=args.max_temp_mb,
+                           max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+                           read_timeout_s=args.read_timeout, upload_timeout_s=args.upload_timeout,
+                           give_way_s=args.give_way,
+                           allowed_hosts=tuple(args.allowed_host), allow_origins=tuple(args.allow_origin))
     config = _decoding_config(args, args.overrides)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
                             search_threads=thread_policy(args.threads))  # decided once, for every request
     recognizer.task()  # a bad word list or LM fails now, not at the first request
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"asr serve: listening on {args.host}: whoever reaches this machine can use the server",
-              file=sys.stderr)
+    note = binding_note(args.host, args.port, args.allowed_host)
+    if note:
+        print(note, file=sys.stderr)
     run(recognizer, args.host, args.port, options, announce=lambda line: print(line, flush=True))
     return 0
+
+
+def binding_note(host: str, port: int, allowed_hosts: list[str]) -> str | None:
+    """What `asr serve --host HOST` means, for any host but a loopback one (None for those)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    if host in ("0.0.0.0", "::", ""):
+        where = (f"asr serve: listening on {host or '0.0.0.0'}, every network interface of this machine: anyone who "
+                 f"can reach it on port {port} can transcribe with this server (there is no authentication and no "
+                 "TLS; beyond a trusted network, put it behind a proxy that has both).")
+        names = ("" if allowed_hosts else " Clients must address it by an IP address, or by a name given with "
+                 "--allowed-host NAME (the Host header is checked).")
+        return where + names
+    return (f"asr serve: listening on {host}: anyone who can reach that address on port {port} can transcribe with "
+            "this server (there is no authentication and no TLS).")
 
 
 def _decoding_config(args: argparse.Namespace, overrides: list[str], **values: object) -> DecodingConfig:
@@ -260,10 +292,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_outputs(results: list, folder: str, fmt: str) -> list[Path]:
+def _write_outputs(results: list, folder: str, fmt: str) -> list[tuple[Path, str | None]]:
     """One file per input and format, DIR/<input's name without its suffix>.<format> (as whisper's
     CLI writes them; a name two inputs share gets -2, -3, ...), written atomically; the inputs that
-    failed get none."""
+    failed get none. Returns (path, None) for each file written and (path, reason) for each one
+    that could not be (the others are still written)."""
     from asr.fileio import atomic_open
     from asr.formats import FORMATS, format_results
 
@@ -280,9 +313,13 @@ def _write_outputs(results: list, folder: str, fmt: str) -> list[Path]:
         used.add(stem)
         for one in (FORMATS if fmt == "all" else (fmt,)):
             path = out / f"{stem}.{one}"
-            with atomic_open(path) as f:
-                f.write(format_results([r], one))
-            written.append(path)
+            try:
+                with atomic_open(path, "wb") as f:  # names that are not UTF-8 are written as their bytes
+                    f.write(format_results([r], one).encode("utf-8", "surrogateescape"))
+            except OSError as e:  # the reason without the temporary file's name: the caller names `path`
+                written.append((path, e.strerror or type(e).__name__))
+                continue
+            written.append((path, None))
     return written
 
 
@@ -506,6 +543,33 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    help="uploads decoded together (default 8)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, metavar="MS",
                    help="how long the first upload of a batch waits for others (default 10)")
+    g = p.add_argument_group("what clients may hold", "every limit bounds what a slow, idle or hostile client "
+                             "can take from the others")
+    g.add_argument("--max-uploads", type=_positive, default=16, metavar="N",
+                   help="uploads being received at once; past it, 503 with Retry-After before the body (default 16)")
+    g.add_argument("--max-temp-mb", type=float, default=512.0, metavar="MB",
+                   help="temporary disk held by the uploads being received; past it, 503 (default 512)")
+    g.add_argument("--max-connections", type=_positive, default=1000, metavar="N",
+                   help="open connections, lowered to fit the open-file limit; past it the oldest connection that "
+                   "is not inside a request is closed (default 1000)")
+    g.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
+                   help="a connection that sends no request for S seconds (or is still sending its headers) is "
+                   "closed (keep-alive; default 15)")
+    g.add_argument("--read-timeout", type=float, default=15.0, metavar="S",
+                   help="an upload that sends nothing for S seconds is answered 408 (default 15)")
+    g.add_argument("--upload-timeout", type=float, default=300.0, metavar="S",
+                   help="an upload not received in S seconds is answered 408 (default 300)")
+    g.add_argument("--give-way", type=float, default=2.0, metavar="S",
+                   help="when the uploads or the temporary disk are full, an upload that has not sent 64 kB for S "
+                   "seconds is closed to let a new one in (default 2; 0: never)")
+    g = p.add_argument_group("who may call", "the Host header must name this server, and another web site's page "
+                             "may not call it")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a Host name to answer to beside localhost, 127.0.0.1, ::1 and the --host address (repeat "
+                   "for more; '*': any, e.g. behind a proxy that checks it)")
+    g.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="another site whose pages may call the API, e.g. https://app.example (repeat for more; "
+                   "'*': any)")
     add_decoding_flags(p)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
                    help="any field of asr.decoding.DecodingConfig, after --config")

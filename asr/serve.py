@@ -1,13 +1,18 @@
 """`asr serve`: an HTTP API and a web page that transcribe uploads with one Recognizer.
 
     POST /api/transcribe   multipart/form-data with the audio in a field "file" (or the audio as
-                           the whole body); any format `asr transcribe` reads. 200 with
+                           the whole body, its name in ?name=); WAV (RIFF, RF64, W64), FLAC, OGG
+                           (Vorbis, Opus), MP3, AIFF, AU, CAF, NIST or VOC, told by the first bytes
+                           (the client's file name never picks the decoder). 200 with
                            {"name", "text", "duration", "segments": [{"start", "end", "text",
                            "words"}], "words": [{"word", "start", "end", "confidence"}]}; 400 for
-                           an empty or missing upload, 413 for one too big or too long, 415 for
-                           audio that cannot be read, 503 with Retry-After when the queue is full.
-                           Every error is {"error": "<one line naming the upload>"}.
-    GET  /api/health       {"status": "ok", "queued", "requests", "batches", "largest_batch", limits}
+                           an empty, missing or malformed upload, 403 for a request another web
+                           site made, 408 for an upload that stalls, 413 for one too big or too
+                           long, 415 for audio that cannot be read, 421 for a Host that does not
+                           name this server, 503 with Retry-After when busy. Every error is
+                           {"error": "<one line naming the upload>"}.
+    GET  /api/health       {"status": "ok", "queued", "requests", "batches", "largest_batch", what is
+                           held now (connections, uploads, temporary bytes), "limits"}
     GET  /                 the web page (asr/web/): upload a file or record the microphone, see the
                            words with their times, click one to play the audio from there.
 
@@ -19,19 +24,36 @@ and checked before they queue, so a bad file never reaches the model and the que
 waveforms (at most queue_size x max_seconds of 16 kHz float32). The server sets no thread count:
 `asr serve` decides it once, at start-up, as the other decoding commands do
 (asr.decoding.thread_policy), and the Recognizer's tasks apply it.
+
+What a client can hold is bounded (ServeOptions): open connections (below the file-descriptor
+limit; past the cap the oldest connection that is not inside a request, and past its first second,
+is closed), connections that send no request (idle_timeout_s, which also closes one still sending
+its headers), uploads being received and the temporary disk they fill (503 with Retry-After before
+the body is read, until an upload that sends less than 64 kB in give_way_s gives way), the time an
+upload may take (read_timeout_s without a byte, upload_timeout_s in all), and every byte of a form
+counts against max_upload_mb. A client that leaves is not decoded for (a batch begun runs to its
+end). The Host
+header must name this server (loopback names, the bound address, `allowed_hosts`) and a request
+another site's page makes (Origin, Sec-Fetch-Site) is refused unless `allow_origins` names it:
+a web page cannot use a server on this machine by DNS rebinding or a cross-site form post.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import logging
 import math
 import os
 import signal
 import tempfile
 import time
+import unicodedata
+import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,33 +63,66 @@ from asr.api import Recognizer, Result
 from asr.audio import SAMPLE_RATE, AudioError, audio_info, iter_blocks
 from asr.formats import result_dict
 
-__all__ = ["ServeOptions", "Server", "UploadError", "run"]
+__all__ = ["ServeOptions", "Server", "UploadError", "run", "sniff_audio", "clean_name"]
 
 log = logging.getLogger(__name__)
 WEB = Path(__file__).resolve().parent / "web"
 PAGES = {"/": ("index.html", "text/html"), "/recorder.js": ("recorder.js", "text/javascript")}
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+WILDCARD = ("", "0.0.0.0", "::")
+BACKLOG = 128  # connections the kernel queues before they are accepted
+CHUNK = 64 * 1024  # bytes read from an upload at a time
+FORM_SLACK = 64 * 1024  # bytes of a form beyond its file (boundaries, part headers, small fields)
+PROGRESS_BYTES = 64 * 1024  # an upload that does not send this much in give_way_s gives way when the server is full
+NAME_CHARS = 100  # the longest upload name shown in a message or a log line
+GRACE_S = 1.0  # a connection is not closed to make room for another in its first second (_Connections)
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """Limits and batching of the server."""
+    """Limits, batching and who may call the server. Every limit bounds what clients can hold."""
 
-    max_upload_mb: float = 50.0  # bytes of one upload
+    max_upload_mb: float = 50.0  # bytes of one request body (every form field counts)
     max_seconds: float = 600.0  # seconds of audio in one upload
     queue_size: int = 16  # uploads read and waiting for the model; one more is answered 503
     batch_size: int = 8  # uploads decoded together
     batch_wait_ms: float = 10.0  # after the first upload, how long the worker waits for others
     word_timestamps: bool = True
+    max_uploads: int = 16  # uploads being received at once; one more is answered 503 before its body
+    max_temp_mb: float = 512.0  # temporary disk held by the uploads being received and read
+    max_connections: int = 1000  # open connections (lowered below the process's file-descriptor limit)
+    idle_timeout_s: float = 15.0  # a connection without a request (or still sending headers) is closed
+    read_timeout_s: float = 15.0  # an upload that sends nothing for this long is answered 408
+    upload_timeout_s: float = 300.0  # an upload not received in this time is answered 408
+    give_way_s: float = 2.0  # when full, an upload that sent no 64 kB for this long is closed for a new one (0: never)
+    allowed_hosts: tuple[str, ...] = ()  # Host names beside the loopback ones and the bound address; "*": any
+    allow_origins: tuple[str, ...] = ()  # other sites' origins ("https://app.example") whose pages may call; "*": any
 
     def __post_init__(self) -> None:
-        if not (self.max_upload_mb > 0 and self.max_seconds > 0):
+        if not (self.max_upload_mb > 0 and self.max_seconds > 0 and self.max_temp_mb > 0):
             raise ValueError("serve: the upload limits must be positive")
         if self.queue_size < 1 or self.batch_size < 1 or self.batch_wait_ms < 0:
             raise ValueError("serve: queue_size and batch_size must be at least 1, batch_wait_ms at least 0")
+        if self.max_uploads < 1 or self.max_connections < 1:
+            raise ValueError("serve: max_uploads and max_connections must be at least 1")
+        if not (self.idle_timeout_s > 0 and self.read_timeout_s > 0 and self.upload_timeout_s > 0):
+            raise ValueError("serve: the timeouts must be positive")
+        if not self.give_way_s >= 0:
+            raise ValueError("serve: give_way_s must be at least 0")
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().rstrip(".") for h in self.allowed_hosts))
+        object.__setattr__(self, "allow_origins", tuple(o.strip().lower().rstrip("/") for o in self.allow_origins))
 
     @property
     def max_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def max_temp_bytes(self) -> int:
+        return int(self.max_temp_mb * 1024 * 1024)
+
+    def limits(self) -> dict[str, Any]:
+        """The numeric limits (what /api/health shows; who may call stays private)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("allowed_hosts", "allow_origins")}
 
 
 class UploadError(Exception):
@@ -78,37 +133,328 @@ class UploadError(Exception):
         self.status, self.headers = status, headers or {}
 
 
-@dataclass
+# ---------------------------------------------------------------------------------------------
+# what a client sends, made safe: names, containers
+
+
+def clean_name(raw: str | None) -> str:
+    """A client's file name as the server shows it, in messages and log lines: its last path
+    component, without control or format characters (newlines, NUL, bidi overrides) or lone
+    surrogates, at most NAME_CHARS characters; "upload" when nothing is left. The server never
+    opens or creates a file by this name."""
+    if not raw:
+        return "upload"
+    text = _one_line(raw.replace("\\", "/").rsplit("/", 1)[-1], limit=len(raw))
+    if len(text) > NAME_CHARS:
+        text = text[: NAME_CHARS - 21] + "…" + text[-20:]
+    return text or "upload"
+
+
+def _one_line(text: Any, limit: int = 160) -> str:
+    """Any text (an exception's, a header's) as one printable line of at most `limit` characters:
+    bytes that were not UTF-8 as U+FFFD, control and format characters as spaces, runs of spaces
+    as one."""
+    text = str(text)
+    try:  # undecodable bytes, as Python keeps them (surrogateescape)
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # other lone surrogates
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    text = " ".join("".join(" " if unicodedata.category(c).startswith("C") else c for c in text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def sniff_audio(head: bytes) -> str | None:
+    """The suffix of the audio container whose file begins with `head` (at least 16 bytes of it,
+    unless the file is shorter): ".wav" (RIFF/RIFX/RF64 WAVE), ".w64", ".flac", ".ogg" (Vorbis,
+    Opus, FLAC in Ogg), ".mp3" (an ID3 tag or an MPEG audio frame), ".aiff", ".au", ".caf",
+    ".nist", ".voc"; None for anything else. libsndfile reads all of these by their content."""
+    if head[:4] in (b"RIFF", b"RIFX", b"RF64", b"BW64") and head[8:12] == b"WAVE":
+        return ".wav"
+    if head[:16] == b"riff\x2e\x91\xcf\x11\xa5\xd6\x28\xdb\x04\xc1\x00\x00":
+        return ".w64"
+    if head[:4] == b"fLaC":
+        return ".flac"
+    if head[:4] == b"OggS":
+        return ".ogg"
+    if head[:3] == b"ID3" or (len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06):
+        return ".mp3"  # an MPEG frame: 11 sync bits and a layer (0 would be AAC's ADTS)
+    if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+        return ".aiff"
+    if head[:4] in (b".snd", b"dns."):
+        return ".au"
+    if head[:4] == b"caff":
+        return ".caf"
+    if head[:7] == b"NIST_1A":
+        return ".nist"
+    if head[:16] == b"Creative Voice F":
+        return ".voc"
+    return None
+
+
+SNIFF_BYTES = 16
+KNOWN_CONTAINERS = "WAV, W64, FLAC, OGG, MP3, AIFF, AU, CAF, NIST, VOC"
+
+
+# ---------------------------------------------------------------------------------------------
+# who may call: the Host and the Origin
+
+
+class _Gate:
+    """The Host and Origin checks of every request (see the module's docstring)."""
+
+    def __init__(self, bound_host: str, options: ServeOptions) -> None:
+        self.any_host = "*" in options.allowed_hosts
+        self.hosts = {*LOOPBACK, *options.allowed_hosts}
+        self.wildcard = bound_host.strip("[]") in WILDCARD
+        if not self.wildcard:
+            self.hosts.add(bound_host.strip("[]").lower())
+        self.any_origin = "*" in options.allow_origins
+        self.origins = set(options.allow_origins)
+
+    def check(self, request: Any) -> str | None:
+        """None, or the origin of another site this server lets call it (for the CORS header).
+        Raises UploadError 421 for a Host that names another server, 403 for another site's page."""
+        host = request.headers.get("Host")
+        if host is not None and not self._host_allowed(host):
+            raise UploadError(421, f"this server does not answer to the host {_one_line(host, 80)!r} (start it with "
+                              "--allowed-host NAME to answer to NAME)")
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            origin = origin.strip().lower().rstrip("/")
+            if host is not None and origin.split("://", 1)[-1] == host.strip().lower():
+                return None  # the same origin: the server's own page
+            if self.any_origin or origin in self.origins:
+                return origin
+            raise UploadError(403, f"a request from the web page of {_one_line(origin, 80)!r}, another site, is "
+                              "refused (start the server with --allow-origin ORIGIN to allow one)")
+        site = request.headers.get("Sec-Fetch-Site", "").lower()
+        navigation = request.method == "GET" and request.headers.get("Sec-Fetch-Mode", "").lower() == "navigate"
+        if site in ("cross-site", "same-site") and not navigation and not self.any_origin:
+            raise UploadError(403, f"a {site} request from another site's page is refused (start the server with "
+                              "--allow-origin ORIGIN to allow one)")
+        return None
+
+    def _host_allowed(self, header: str) -> bool:
+        value = header.strip().lower()
+        if value.startswith("["):  # [v6]:port
+            name = value[1:value.find("]")] if "]" in value else value
+        else:
+            name = value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+        name = name.rstrip(".")
+        if self.any_host or name in self.hosts or name.endswith(".localhost"):
+            return True
+        if self.wildcard:  # any address of this machine; DNS rebinding needs a name
+            with contextlib.suppress(ValueError):
+                ipaddress.ip_address(name)
+                return True
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# open connections under a cap
+
+
+class _Connections:
+    """The protocol factory of the listening socket: aiohttp's (web.Server) with a cap on open
+    connections. Past the cap, a new connection closes the oldest open one that is not inside a
+    request (waiting for its first request or between keep-alive requests, or still sending its
+    headers) and is past its grace time (GRACE_S, or half the idle timeout if shorter: time for a
+    client to send its request, even in a flood of connections); when there is none, the new one
+    is answered 503 and closed. `busy` holds the connections inside a request (Server's middleware
+    keeps it)."""
+
+    def __init__(self, cap: int, grace: float, settings: dict[str, Any]) -> None:
+        self.cap, self.grace, self.settings = cap, grace, settings  # settings: of each connection's handler
+        self.open: dict[Any, None] = {}  # the handlers of the open connections, oldest first
+        self.busy: set[Any] = set()
+        self.server: Any = None  # aiohttp's web.Server, once the runner is set up
+        self.evicted = self.refused = 0
+        self._handler = _handler_class()
+
+    def __call__(self) -> asyncio.Protocol:
+        now = asyncio.get_running_loop().time()
+        if len(self.open) >= self.cap:
+            victim = None
+            for handler in self.open:  # oldest first
+                if now - handler.asr_since < self.grace:
+                    break  # this one and all after it are in their grace time: none is closed for another
+                if handler not in self.busy:
+                    victim = handler
+                    break
+            if victim is None:
+                self.refused += 1
+                return _Refusal()
+            del self.open[victim]
+            victim.evict()
+            self.evicted += 1
+        handler = self._handler(self, self.server, loop=asyncio.get_running_loop(), **self.settings)
+        handler.asr_since = now
+        self.open[handler] = None
+        return handler
+
+
+def _handler_class() -> type:
+    from aiohttp import web
+
+    class _Handler(web.RequestHandler):
+        """aiohttp's handler of one connection, which leaves `connections.open` when the connection
+        closes, and whose answers to requests it cannot parse (a bad request line or header) are
+        one-line JSON errors like the server's own."""
+
+        def __init__(self, connections: _Connections, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.asr_connections, self.asr_evicted, self.asr_since = connections, False, 0.0
+
+        def evict(self) -> None:
+            """Close the connection, now or (accepted in the same round, not connected yet) when it connects."""
+            if self.transport is not None:
+                self.force_close()
+            self.asr_evicted = True
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            if self.asr_evicted:
+                self.force_close()
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            self.asr_connections.open.pop(self, None)
+            super().connection_lost(exc)
+
+        def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                         message: str | None = None) -> Any:
+            if status >= 500:
+                return super().handle_error(request, status, exc, message)
+            self.logger.debug("bad request from %s: %s", request.remote, exc)
+            if request.writer.output_size > 0:
+                raise ConnectionError("the answer has begun: no error can be sent")
+            reason = getattr(exc, "message", None) or message or exc or "bad request"
+            response = _error(status, f"malformed HTTP request ({_one_line(reason, 100)})")
+            response.force_close()
+            return response
+
+    return _Handler
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection past the cap when no open one may be closed for it (each is inside a request or
+    in its grace time): one 503, then closed."""
+
+    BODY = b'{"error": "busy: too many open connections; retry in 1 s"}\n'
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+                        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(self.BODY), self.BODY))
+        transport.close()
+
+
+def _raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one; returns the soft limit now (a large
+    number where there is none, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 1 << 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(wanted: int, fd_limit: int) -> int:
+    """Open connections allowed under `fd_limit` file descriptors: one each, and a reserve for
+    the connections being accepted (BACKLOG), the temporary files, the model's files and threads."""
+    reserve = min(2 * BACKLOG, fd_limit // 4)
+    return max(1, min(wanted, fd_limit - reserve))
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+
+
+@dataclass(eq=False)
+class _Slot:
+    """An upload being received or read: its name, its temporary file, and when it last sent
+    PROGRESS_BYTES (what decides whether it gives way to others when the server is full)."""
+
+    request: Any
+    progress: float  # loop time of the start, or of the last PROGRESS_BYTES of the body received
+    name: str = "upload"  # clean_name of the client's
+    path: Path | None = None  # the temporary file, its suffix from sniff_audio
+    held: int = 0  # bytes in it
+    reading: bool = False  # received, being read as audio: it no longer waits for the client
+    evicted: bool = False  # closed to make room
+    marked: int = 0  # bytes of the body received at `progress`
+
+    def touch(self, now: float) -> None:
+        """Mark the progress made by `now`."""
+        received = self.request.content.total_bytes
+        if received - self.marked >= PROGRESS_BYTES:
+            self.marked, self.progress = received, now
+
+    def stalled(self, now: float, give_way_s: float) -> bool:
+        """Whether it has gone give_way_s (> 0) without PROGRESS_BYTES of body."""
+        self.touch(now)
+        return give_way_s > 0 and not self.reading and now - self.progress >= give_way_s
+
+
+@dataclass(eq=False)
 class _Job:
     name: str
     wave: torch.Tensor  # (T,) 16 kHz
     future: asyncio.Future
+    gone: Callable[[], bool]  # whether the client has left
+    seconds: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seconds = len(self.wave) / SAMPLE_RATE
 
 
 class Server:
-    """The aiohttp application around a Recognizer (`app()`), its queue and its decoding worker."""
+    """The aiohttp application around a Recognizer (`app()`), its queue and its decoding worker;
+    `listen()` opens the socket with the connection cap."""
 
-    def __init__(self, recognizer: Recognizer, options: ServeOptions | None = None) -> None:
+    def __init__(self, recognizer: Recognizer, options: ServeOptions | None = None, host: str = "127.0.0.1") -> None:
         self.recognizer, self.options = recognizer, options or ServeOptions()
         self.queue: asyncio.Queue[_Job] | None = None  # made in the loop that serves
-        self.stats = {"requests": 0, "batches": 0, "largest_batch": 0}
-        self._seconds_per_request = 1.0  # running estimate, for Retry-After
+        self.stats = {"requests": 0, "batches": 0, "largest_batch": 0, "left": 0, "skipped": 0, "gave_way": 0}
+        self.gate = _Gate(host, self.options)
+        grace = min(GRACE_S, self.options.idle_timeout_s / 2)
+        self.connections = _Connections(self.options.max_connections, grace, {
+            "keepalive_timeout": self.options.idle_timeout_s,  # armed at connect: closes a slow header too
+            "lingering_time": min(5.0, self.options.read_timeout_s),  # reading the body of a refused upload
+            "max_headers": 64, "access_log": log})
+        self._slots: set[_Slot] = set()  # the uploads being received or read
+        self._queued_audio = 0.0  # seconds of audio queued or being decoded
+        self._rate: float | None = None  # seconds of audio decoded per second (running), for Retry-After
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="asr-decode")  # the model's one thread
+        self._reader = ThreadPoolExecutor(2, thread_name_prefix="asr-read")  # uploads to waveforms
         self._uploads = tempfile.TemporaryDirectory(prefix="asr-serve-")
         self._pages = {route: (WEB / name).read_bytes() for route, (name, _) in PAGES.items()}  # read once
 
     def app(self) -> Any:
         from aiohttp import web
 
-        app = web.Application(client_max_size=self.options.max_bytes + 1024 * 1024,
-                              middlewares=[_json_errors_middleware()])
-        app.router.add_post("/api/transcribe", self.handle_transcribe)
+        app = web.Application(client_max_size=self.options.max_bytes + FORM_SLACK, middlewares=[self._middleware()])
+        app.router.add_post("/api/transcribe", self.handle_transcribe, expect_handler=self._expect)
         app.router.add_get("/api/health", self.handle_health)
         for route in PAGES:
             app.router.add_get(route, self.handle_page)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    def runner_settings(self) -> dict[str, Any]:
+        """The keyword arguments of aiohttp's AppRunner: a handler is cancelled when its client leaves."""
+        return {"handler_cancellation": True, "shutdown_timeout": 10.0, **self.connections.settings}
+
+    async def listen(self, web_server: Any, host: str, port: int) -> asyncio.AbstractServer:
+        """Open the listening socket(s) with aiohttp's protocol factory under the connection cap."""
+        self.connections.server = web_server
+        return await asyncio.get_running_loop().create_server(self.connections, host, port, backlog=BACKLOG)
 
     async def _start(self, app: Any) -> None:
         self.queue = asyncio.Queue(self.options.queue_size)
@@ -117,7 +463,61 @@ class Server:
     async def _stop(self, app: Any) -> None:
         app["asr.worker"].cancel()
         self._decoder.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         self._uploads.cleanup()
+
+    def _middleware(self) -> Any:
+        from aiohttp import web
+
+        @web.middleware
+        async def guard(request: Any, handler: Any) -> Any:
+            """The Host and Origin checks, the connection marked busy while inside, and every refusal
+            (ours and aiohttp's: 404, 405, ...) as a one-line JSON error, never a traceback."""
+            protocol = request.protocol
+            self.connections.busy.add(protocol)
+            origin = None
+            try:
+                origin = self.gate.check(request)
+                response = await handler(request)
+            except UploadError as e:
+                log.info("refused %s: %s", request.remote, e)
+                response = _error(e.status, str(e), e.headers)
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                response = _error(e.status, f"{request.method} {_one_line(request.path, 80)}: {e.reason}")
+            except asyncio.CancelledError:
+                raise
+            except ConnectionError:  # the client left: the answer is never delivered
+                response = _error(499, "the client closed the connection")
+            except Exception:  # a bug of ours: logged with its traceback, answered in one line
+                log.exception("%s %s failed", request.method, _one_line(request.path, 80))
+                response = _error(500, "internal server error (logged)")
+            finally:
+                self.connections.busy.discard(protocol)
+            if origin is not None:
+                response.headers["Access-Control-Allow-Origin"] = origin
+                response.headers["Vary"] = "Origin"
+            return response
+
+        return guard
+
+    async def _expect(self, request: Any) -> Any:
+        """`Expect: 100-continue`: the checks that need no body run before the client sends it."""
+        from aiohttp import HttpVersion11
+
+        try:
+            self.gate.check(request)
+            self._admit(request)
+        except UploadError as e:
+            log.info("refused %s: %s", request.remote, e)
+            return _error(e.status, str(e), {**e.headers, "Connection": "close"})
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _error(417, f"unknown Expect: {_one_line(request.headers['Expect'], 40)}")
+        if request.version >= HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        return None
 
     # -- handlers -------------------------------------------------------------------------------
 
@@ -131,83 +531,211 @@ class Server:
         from aiohttp import web
 
         queued = self.queue.qsize() if self.queue is not None else 0
-        return web.json_response({"status": "ok", "queued": queued, **self.stats, "limits": asdict(self.options)})
+        return web.json_response({"status": "ok", "queued": queued, **self.stats,
+                                  "queued_audio_s": round(self._queued_audio, 3),
+                                  "connections": len(self.connections.open), "evicted": self.connections.evicted,
+                                  "refused_connections": self.connections.refused, "receiving": len(self._slots),
+                                  "temp_bytes": self._held(), "limits": self.options.limits()})
 
     async def handle_transcribe(self, request: Any) -> Any:
         from aiohttp import web
 
+        slot = None
         try:
-            self._check_room()
-            name, path = await self._receive(request)
+            self._admit(request)
+            slot = _Slot(request, asyncio.get_running_loop().time())
+            self._slots.add(slot)
             try:
-                wave = await asyncio.get_running_loop().run_in_executor(None, self._read, name, path)
+                await self._receive(request, slot)
+                slot.reading = True
+                _check_present(request)
+                wave = await asyncio.get_running_loop().run_in_executor(self._reader, self._read, slot)
             finally:
-                path.unlink(missing_ok=True)
+                self._discard(slot)
+                self._slots.discard(slot)
             self._check_room()
-            job = _Job(name, wave, asyncio.get_running_loop().create_future())
+            _check_present(request)
+            job = _Job(slot.name, wave, asyncio.get_running_loop().create_future(), lambda: _gone(request))
             self.queue.put_nowait(job)
+            self._queued_audio += job.seconds
             result: Result = await job.future
-        except UploadError as e:
-            log.info("refused %s: %s", request.remote, e)
-            return web.json_response({"error": str(e)}, status=e.status, headers=e.headers)
+        except (asyncio.CancelledError, ConnectionError) as e:  # the client left, or its upload gave way
+            self.stats["gave_way" if slot is not None and slot.evicted else "left"] += 1
+            if isinstance(e, asyncio.CancelledError):  # aiohttp cancels the handler of a closed connection
+                raise
+            return _error(499, "the client closed the connection")  # never delivered
         if result.error is not None:
-            return web.json_response({"error": f"{name}: {result.error}"}, status=415)
+            return _error(415, f"{slot.name}: {_one_line(result.error)}")
         body = result_dict(result)
         del body["path"], body["error"]
-        body.update(name=name, words=[w for s in body["segments"] for w in s.get("words", [])])
+        body.update(name=slot.name, words=[w for s in body["segments"] for w in s.get("words", [])])
         return web.json_response(body, dumps=_dumps)
 
-    def _check_room(self) -> None:
-        """503 with Retry-After (the seconds the waiting uploads should take) when the queue is full."""
-        if self.queue is not None and self.queue.full():
-            wait = math.ceil(self.queue.qsize() * self._seconds_per_request)
-            raise UploadError(503, f"busy: {self.queue.qsize()} uploads are waiting; retry in {wait} s",
-                              {"Retry-After": str(max(1, wait))})
-
-    async def _receive(self, request: Any) -> tuple[str, Path]:
-        """The upload's name and a file holding its bytes (the "file" field of a multipart form, or
-        the body); 400 when there is none or it is empty, 413 past max_upload_mb."""
-        limit = self.options.max_bytes
-        if request.content_length is not None and request.content_length > limit + 64 * 1024:
-            raise UploadError(413, f"upload of {request.content_length / 2**20:.1f} MB: this server takes at most "
+    def _admit(self, request: Any) -> None:
+        """The checks made before any byte of the body is read: room in the queue, the declared
+        size, an upload slot and the temporary disk it would take (made by closing stalled
+        uploads, see _make_room)."""
+        self._check_room()
+        length = request.content_length
+        if length is not None and length > self.options.max_bytes + FORM_SLACK:
+            raise UploadError(413, f"upload of {length / 2**20:.1f} MB: this server takes at most "
                               f"{self.options.max_upload_mb:g} MB")
-        if request.content_type.startswith("multipart/"):
-            reader = await request.multipart()
-            while (part := await reader.next()) is not None:
-                if part.name == "file":
-                    return await self._save(part.filename or "upload", part.read_chunk)
+        if self._make_room(1, min(length or 0, self.options.max_bytes)):
+            return
+        if len(self._slots) >= self.options.max_uploads:
+            wait = self._room_retry_after()
+            raise UploadError(503, f"busy: {len(self._slots)} uploads are being received; retry in {wait} s",
+                              {"Retry-After": str(wait)})
+        raise self._disk_full()
+
+    def _make_room(self, slots: int, size: int, me: _Slot | None = None) -> bool:
+        """Whether `slots` more uploads and `size` more bytes of temporary disk fit, after closing
+        (oldest first) the uploads that have not sent 64 kB in give_way_s while this is wanted."""
+        now = asyncio.get_running_loop().time()
+        while len(self._slots) + slots > self.options.max_uploads or self._held() + size > self.options.max_temp_bytes:
+            stalled = [s for s in self._slots if s is not me and s.stalled(now, self.options.give_way_s)]
+            if not stalled:
+                return False
+            victim = min(stalled, key=lambda s: s.progress)
+            log.info("closed the upload of %s from %s: nothing for %.1f s while others waited", victim.name,
+                     victim.request.remote, now - victim.progress)
+            victim.evicted = True
+            self._slots.discard(victim)
+            victim.request.protocol.force_close()  # its handler is cancelled and removes its file
+        return True
+
+    def _held(self) -> int:
+        return sum(slot.held for slot in self._slots)
+
+    def _check_room(self) -> None:
+        """503 with Retry-After when the queue is full."""
+        if self.queue is not None and self.queue.full():
+            wait = self._retry_after()
+            raise UploadError(503, f"busy: {self.queue.qsize()} uploads are waiting; retry in {wait} s",
+                              {"Retry-After": str(wait)})
+
+    def _disk_full(self) -> UploadError:
+        wait = self._room_retry_after()
+        return UploadError(503, f"busy: the uploads being received hold {self._held() / 2**20:.1f} MB of the "
+                           f"{self.options.max_temp_mb:g} MB of temporary disk; retry in {wait} s",
+                           {"Retry-After": str(wait)})
+
+    def _retry_after(self) -> int:
+        """Seconds until the audio queued now is decoded, at the decoding rate measured so far
+        (1 before the first batch)."""
+        if self._rate is None:
+            return 1
+        return max(1, math.ceil(self._queued_audio / self._rate))
+
+    def _room_retry_after(self) -> int:
+        """Seconds until an upload being received could give way (give_way_s after its last 64 kB)."""
+        now = asyncio.get_running_loop().time()
+        waits = [self.options.give_way_s - (now - s.progress) for s in self._slots if not s.reading]
+        if not waits or not self.options.give_way_s:
+            return max(1, math.ceil(self.options.read_timeout_s))
+        return max(1, math.ceil(min(waits)))
+
+    # -- receiving an upload --------------------------------------------------------------------
+
+    async def _receive(self, request: Any, slot: _Slot) -> None:
+        """The upload, into `slot`: the "file" field of a multipart form, or the body. 400 when
+        there is none, it is empty or the form is malformed; 413 past max_upload_mb (every field
+        counts); 408 when it stalls; 415 when it does not begin as an audio container the server
+        reads; 503 when the temporary disk is full."""
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        deadline = asyncio.get_running_loop().time() + self.options.upload_timeout_s
+        form = request.content_type.startswith("multipart/")
+        try:
+            if form:
+                await self._receive_form(request, slot, deadline)
+            else:
+                slot.name = clean_name(request.query.get("name"))
+                await self._save(request, slot, request.content.readany, deadline)
+        except (ValueError, LookupError, AssertionError, RuntimeError, HttpProcessingError) as e:  # aiohttp's parsers
+            kind = "multipart/form-data body" if form else "request body"
+            raise UploadError(400, f"malformed {kind} ({_one_line(e, 100)})") from None
+
+    async def _receive_form(self, request: Any, slot: _Slot, deadline: float) -> None:
+        """The first "file" field of a multipart form, read to its closing boundary: the other
+        fields are dropped, their bytes counted against the limit; a nested multipart is refused."""
+        from aiohttp import BodyPartReader
+
+        reader = await request.multipart()
+        while (part := await self._timed(reader.next(), deadline, "upload")) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise UploadError(400, "a nested multipart part: send the audio in a form field named 'file'")
+            if part.name == "file" and slot.path is None:
+                slot.name = clean_name(part.filename)
+                await self._save(request, slot, lambda: part.read_chunk(CHUNK), deadline)
+                continue
+            while await self._timed(part.read_chunk(CHUNK), deadline, slot.name):
+                self._check_body(request, slot.name)
+        if slot.path is None:
             raise UploadError(400, "no audio: send the file in a form field named 'file', or as the body")
-        return await self._save(request.query.get("name", "upload"), request.content.readany)
 
-    async def _save(self, name: str, read: Any) -> tuple[str, Path]:
-        name = os.path.basename(name)[:200] or "upload"
-        fd, tmp = tempfile.mkstemp(suffix=Path(name).suffix[:16], dir=self._uploads.name)
-        size = 0
+    async def _save(self, request: Any, slot: _Slot, read: Callable[[], Any], deadline: float) -> None:
+        """Stream an upload into a temporary file, named by the container its first bytes show."""
+        head, name = b"", slot.name
+        while len(head) < SNIFF_BYTES and (chunk := await self._timed(read(), deadline, name)):
+            head += chunk
+            self._check_body(request, name, len(head))
+        if not head:
+            raise UploadError(400, f"{name}: empty upload (0 bytes)")
+        suffix = sniff_audio(head)
+        if suffix is None:
+            raise UploadError(415, f"{name}: not an audio file, or not one this server reads ({KNOWN_CONTAINERS})")
+        fd, tmp = tempfile.mkstemp(suffix=suffix, dir=self._uploads.name)
+        slot.path = Path(tmp)  # removed by _discard, whatever happens
+        with os.fdopen(fd, "wb") as f:
+            self._hold(slot, head, f)
+            while chunk := await self._timed(read(), deadline, name):
+                self._check_body(request, name, slot.held + len(chunk))
+                self._hold(slot, chunk, f)
+
+    def _hold(self, slot: _Slot, chunk: bytes, f: Any) -> None:
+        if self._held() + len(chunk) > self.options.max_temp_bytes and not self._make_room(0, len(chunk), slot):
+            raise self._disk_full()
+        f.write(chunk)
+        slot.held += len(chunk)
+        slot.touch(asyncio.get_running_loop().time())
+
+    def _discard(self, slot: _Slot) -> None:
+        if slot.path is not None:
+            slot.path.unlink(missing_ok=True)
+        slot.held = 0
+
+    def _check_body(self, request: Any, name: str, size: int = 0) -> None:
+        """413 once the upload, or the whole body (every form field), is past the limit."""
+        limit = self.options.max_bytes
+        if size > limit or request.content.total_bytes > limit + FORM_SLACK:
+            raise UploadError(413, f"{name}: larger than {self.options.max_upload_mb:g} MB, the most this server "
+                              "takes (every field of the form counts)")
+
+    async def _timed(self, awaitable: Any, deadline: float, name: str) -> Any:
+        """`awaitable`'s result; 408 when it takes read_timeout_s, or passes the upload's deadline."""
+        loop = asyncio.get_running_loop()
         try:
-            with os.fdopen(fd, "wb") as f:
-                while chunk := await read():
-                    size += len(chunk)
-                    if size > self.options.max_bytes:
-                        raise UploadError(413, f"{name}: larger than {self.options.max_upload_mb:g} MB, the most "
-                                          "this server takes")
-                    f.write(chunk)
-            if size == 0:
-                raise UploadError(400, f"{name}: empty upload (0 bytes)")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return name, Path(tmp)
+            return await asyncio.wait_for(awaitable, max(0.0, min(self.options.read_timeout_s, deadline - loop.time())))
+        except asyncio.TimeoutError:
+            if loop.time() >= deadline:
+                raise UploadError(408, f"{name}: not received within {self.options.upload_timeout_s:g} s") from None
+            raise UploadError(408, f"{name}: the upload stalled (nothing for {self.options.read_timeout_s:g} s)") \
+                from None
 
-    def _read(self, name: str, path: Path) -> torch.Tensor:
+    def _read(self, slot: _Slot) -> torch.Tensor:
         """The upload's 16 kHz waveform; 415 when it is not audio we can read, 413 when too long."""
+        name = slot.name
         try:
-            seconds = audio_info(path).duration
+            seconds = audio_info(slot.path).duration
             if seconds > self.options.max_seconds:
                 raise UploadError(413, f"{name}: {seconds:.1f} s of audio; this server takes at most "
                                   f"{self.options.max_seconds:g} s")
-            blocks = list(iter_blocks(path))
+            blocks = list(iter_blocks(slot.path))
         except AudioError as e:
-            raise UploadError(415, f"{name}: {e.reason}") from None
+            raise UploadError(415, f"{name}: {_one_line(e.reason)}") from None
+        except (TypeError, ValueError, RuntimeError, OSError, EOFError) as e:  # soundfile's own, past audio.py's
+            raise UploadError(415, f"{name}: cannot be read as audio ({_one_line(e, 100)})") from None
         return torch.cat(blocks) if blocks else torch.zeros(0)
 
     # -- the decoding worker ------------------------------------------------------------------
@@ -220,28 +748,36 @@ class Server:
             while len(jobs) < self.options.batch_size:
                 try:
                     jobs.append(await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time())))
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     break
-            jobs = [job for job in jobs if not job.future.done()]  # a client that left
-            if not jobs:
-                continue
-            start = time.perf_counter()
-            try:
-                results = await loop.run_in_executor(self._decoder, self._decode, [job.wave for job in jobs])
-            except Exception as e:  # a decoding error is the server's: every request of the batch is told
-                log.exception("decoding failed")
-                for job in jobs:
-                    if not job.future.done():
-                        job.future.set_exception(UploadError(500, f"{job.name}: decoding failed ({e})"))
-                continue
-            spent = time.perf_counter() - start
-            self._seconds_per_request = 0.8 * self._seconds_per_request + 0.2 * spent / len(jobs)
-            self.stats["requests"] += len(jobs)
-            self.stats["batches"] += 1
-            self.stats["largest_batch"] = max(self.stats["largest_batch"], len(jobs))
-            for job, result in zip(jobs, results):
+            left = [job for job in jobs if job.future.done() or job.gone()]  # clients that left: not decoded
+            jobs = [job for job in jobs if not (job.future.done() or job.gone())]
+            self.stats["skipped"] += len(left)
+            self._queued_audio -= sum(job.seconds for job in left)
+            if jobs:
+                await self._decode_batch(jobs)
+
+    async def _decode_batch(self, jobs: list[_Job]) -> None:
+        start = time.perf_counter()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._decoder, self._decode,
+                                                                       [job.wave for job in jobs])
+        except Exception as e:  # a decoding error is the server's: every request of the batch is told
+            log.exception("decoding failed")
+            for job in jobs:
                 if not job.future.done():
-                    job.future.set_result(result)
+                    job.future.set_exception(UploadError(500, f"{job.name}: decoding failed ({_one_line(e)})"))
+            return
+        finally:
+            self._queued_audio = max(0.0, self._queued_audio - sum(job.seconds for job in jobs))
+        rate = sum(job.seconds for job in jobs) / max(time.perf_counter() - start, 1e-3)
+        self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
+        self.stats["requests"] += len(jobs)
+        self.stats["batches"] += 1
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(jobs))
+        for job, result in zip(jobs, results):
+            if not job.future.done():
+                job.future.set_result(result)
 
     def _decode(self, waves: list[torch.Tensor]) -> list[Result]:
         with torch.inference_mode():
@@ -249,20 +785,21 @@ class Server:
                                               word_timestamps=self.options.word_timestamps)
 
 
-def _json_errors_middleware() -> Any:
+def _gone(request: Any) -> bool:
+    """Whether the client of `request` has closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _check_present(request: Any) -> None:
+    if _gone(request):
+        raise ConnectionResetError("the client left")
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
     from aiohttp import web
 
-    @web.middleware
-    async def json_errors(request: Any, handler: Any) -> Any:
-        """aiohttp's own refusals (404, 405, a body past client_max_size) as JSON errors too."""
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            return web.json_response({"error": f"{request.method} {request.path}: {e.reason}"}, status=e.status)
-
-    return json_errors
+    return web.json_response({"error": message}, status=status, headers=headers, dumps=_dumps)
 
 
 def _dumps(obj: Any) -> str:
@@ -275,22 +812,34 @@ def run(recognizer: Recognizer, host: str = "127.0.0.1", port: int = 8000, optio
         *, announce: Any = print) -> None:
     """Serve until interrupted (Ctrl-C) or told to stop (SIGTERM: the requests being decoded are
     answered and the uploads' folder removed, then it returns). `port` 0 picks a free one;
-    `announce` is told the address once the socket is bound ("serving on http://HOST:PORT")."""
+    `announce` is told the address once the socket is bound ("serving on http://HOST:PORT").
+    The soft limit on open files is raised to the hard one, and the connection cap set below it."""
     from aiohttp import web
+    from aiohttp.multipart import BadContentDispositionHeader, BadContentDispositionParam
+
+    options = options or ServeOptions()
+    for category in (BadContentDispositionHeader, BadContentDispositionParam):  # a client's text on stderr
+        warnings.filterwarnings("ignore", category=category)
+    fd_limit = _raise_fd_limit()
+    cap = connection_cap(options.max_connections, fd_limit)
+    if cap < options.max_connections:
+        log.info("asr serve: at most %d open connections (%d files may be open)", cap, fd_limit)
+        options = dataclasses.replace(options, max_connections=cap)
 
     async def serve() -> None:
-        runner = web.AppRunner(Server(recognizer, options).app(), access_log=log)
+        server = Server(recognizer, options, host)
+        runner = web.AppRunner(server.app(), **server.runner_settings())
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        listener = await server.listen(runner.server, host, port)
         stop = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, Windows
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        bound = runner.addresses[0][:2]
+        bound = listener.sockets[0].getsockname()[:2]
         announce(f"serving on http://{_url_host(bound[0])}:{bound[1]}")
         try:
             await stop.wait()
         finally:
+            listener.close()
             await runner.cleanup()
 
     asyncio.run(serve())

@@ -216,3 +216,32 @@ def test_prepare_librispeech_real(realspeech, tmp_path):
     assert len((tmp_path / "dev-clean.jsonl").read_text().splitlines()) == 4
     assert len((tmp_path / "test-clean.jsonl").read_text().splitlines()) == 8
     assert not (tmp_path / "train-clean-100.jsonl").exists()
+
+
+def test_transcribe_continues_after_an_unwritable_output(spoken_model, tmp_path):
+    """One output that cannot be written (out/b.txt is a folder) is reported by its own name, not
+    the temporary file's; the other inputs are still transcribed and written; exit status 1."""
+    names = ["a", "b", "c"]
+    for name, audio in zip(names, spoken_model.audio[::4]):
+        (tmp_path / f"{name}.flac").write_bytes(audio.read_bytes())
+    out = tmp_path / "out"
+    (out / "b.txt").mkdir(parents=True)
+    done = asr("transcribe", "--model", spoken_model.model, *(tmp_path / f"{n}.flac" for n in names),
+               "--output-dir", out, "--threads", "1")
+    assert done.returncode == 1, done.stderr
+    texts = [(out / f"{n}.txt").read_text().strip() for n in ("a", "c")]
+    assert texts == [spoken_model.texts[0], spoken_model.texts[8]]
+    assert f"cannot write {out / 'b.txt'}: Is a directory" in done.stderr and ".tmp" not in done.stderr
+    assert done.stdout.split() == [str(out / "a.txt"), str(out / "c.txt")]
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt", "b.txt", "c.txt"]  # no temporary file left
+
+
+def test_serve_says_what_binding_every_interface_means():
+    from asr.cli import binding_note
+
+    assert binding_note("127.0.0.1", 8000, []) is None and binding_note("localhost", 8000, []) is None
+    note = binding_note("0.0.0.0", 8000, [])
+    assert "every network interface" in note and "port 8000" in note and "--allowed-host" in note
+    assert "no authentication" in note and "\n" not in note
+    assert "--allowed-host" not in binding_note("::", 8000, ["asr.example"])
+    assert "192.168.1.5" in binding_note("192.168.1.5", 8000, [])
