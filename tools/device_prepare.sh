@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare, on this (CPU) machine, what tools/device_check.sh needs on a device machine that has no
-# network (see /work/.library/device/README.md): run it here once, then make the printed call.
+# network (the device tool takes only the repository and the ignored folders it is told to carry): run it here once, then make the printed call.
 #
 #   bash tools/device_prepare.sh            # BASELINE=37a736d by default
 #

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from asr.model.attention import MultiHeadAttention, key_mask, sdpa
-from asr.model.encoder import ConvModule, FeedForward, LayerCache, StreamingEncoder, sinusoidal_positions
+from asr.model.encoder import ConvModule, FeedForward, LayerCache, StreamingEncoder, keep_last, sinusoidal_positions
 from asr.model.subsampling import Conv2dSubsampling
 
 __all__ = ["ConformerEncoder", "ConformerLayer", "RelPositionAttention", "rel_shift", "relative_encodings"]
@@ -200,7 +200,7 @@ class ConformerLayer(nn.Module):
         y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv)
         x = x + y
         x = x + 0.5 * self.ffn(self.norm_ffn(x))
-        return self.norm_out(x), LayerCache(kv if left < 0 else kv[:, max(kv.size(1) - left, 0):], conv)
+        return self.norm_out(x), LayerCache(keep_last(kv, left), conv)
 
 
 class ConformerEncoder(StreamingEncoder):

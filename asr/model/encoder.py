@@ -33,7 +33,7 @@ class EncoderState(NamedTuple):
     layers: tuple[LayerCache, ...]
 
 
-def _keep_last(x: torch.Tensor, frames: int) -> torch.Tensor:
+def keep_last(x: torch.Tensor, frames: int) -> torch.Tensor:
     """x (B, T, ...) cut to its last `frames` frames along dim 1 (all when frames < 0)."""
     return x if frames < 0 else x[:, max(x.size(1) - frames, 0):]
 
@@ -165,7 +165,7 @@ class EncoderLayer(nn.Module):
         if self.conv_kernel > 0:
             y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv)
             x = x + y
-        return x + self.ffn(self.norm2(x)), LayerCache(_keep_last(kv, left), conv)
+        return x + self.ffn(self.norm2(x)), LayerCache(keep_last(kv, left), conv)
 
 
 class StreamingEncoder(nn.Module):
