@@ -294,6 +294,23 @@ def _warp_table(n_mels: int, factor: float, low: float, high: float) -> tuple[to
     return left, (source - left).float()
 
 
+def warp_rows(feats: torch.Tensor, factors: list[float], *, low: float = 20.0,
+              high: float = SAMPLE_RATE / 2) -> torch.Tensor:
+    """`warp_mels` of each row of feats (B, T, n_mels) by its own factor (factors[b]; 1.0 leaves
+    the row as it is), in one gather on feats' device: the tables are made on the host and copied
+    without waiting (the device frontend's batch)."""
+    n_mels = feats.size(-1)
+    if len(factors) != feats.size(0):
+        raise ValueError(f"warp_rows: {len(factors)} factors for {feats.size(0)} rows")
+    if n_mels < 2 or all(f == 1.0 for f in factors):
+        return feats
+    identity = (torch.arange(n_mels).clamp(max=n_mels - 2), (torch.arange(n_mels) == n_mels - 1).float())
+    tables = [identity if f == 1.0 else _warp_table(n_mels, float(f), float(low), float(high)) for f in factors]
+    left = torch.stack([t[0] for t in tables]).to(feats.device, non_blocking=True)[:, None].expand(feats.shape)
+    weight = torch.stack([t[1] for t in tables]).to(feats.device, feats.dtype, non_blocking=True)[:, None]
+    return feats.gather(-1, left) * (1 - weight) + feats.gather(-1, left + 1) * weight
+
+
 def warp_mels(feats: torch.Tensor, factor: float, *, low: float = 20.0, high: float = SAMPLE_RATE / 2) -> torch.Tensor:
     """Log-mel features (..., T, n_mels) (bins between `low` and `high` Hz, as asr.features makes
     them) with the frequency axis scaled by `factor`: output bin i reads the input at the

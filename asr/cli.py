@@ -155,7 +155,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from asr.train_asr import train
     from asr.train_setup import load_experiment_config
 
-    config = load_experiment_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.init_from:
+        overrides.append(f"training.init_from={args.init_from}")
+    if args.init_modules:
+        overrides.append(f"training.init_modules=[{args.init_modules}]")
+    config = load_experiment_config(args.config, overrides)
     path = train(config, args.train, args.valid, args.exp_dir, tokenizer_dir=args.tokenizer, cmvn_path=args.cmvn,
                  feats_dir=args.feats)
     if int(os.environ.get("RANK", 0)) == 0:
@@ -442,6 +447,11 @@ def _add_training_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cmvn", metavar="CMVN.json", help="default: compute it in EXP")
     p.add_argument("--feats", metavar="DIR", help="training features dumped by 'asr cmvn --dump-feats DIR' "
                    "(read instead of computed every epoch; no dither)")
+    p.add_argument("--init-from", metavar="MODEL.pt", help="start from this model file's weights (fine-tuning; "
+                   "training.init_from): the modules of --init-modules, the output layers re-initialised when "
+                   "the tokenizer differs")
+    p.add_argument("--init-modules", metavar="M,M", help="of --init-from: encoder, decoder, ctc (default: all three; "
+                   "training.init_modules)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.set_defaults(func=cmd_train)
 

@@ -1,8 +1,10 @@
 """The feature frontend on the training device (data.frontend = "device"): loader workers only
 decode audio into WaveBatches (asr.dataset.collate_waves), and the training step turns their
-waveforms into features where the model runs: fbank (with dither in training), CMVN, SpecAugment.
+waveforms into features where the model runs: fbank (with dither in training), spectral warping
+(data.augment.warp), CMVN, SpecAugment.
 
-    frontend = DeviceFrontend(FeatureConfig(), CMVNStats.load("cmvn.json"), SpecAugmentConfig(), seed=0).to(device)
+    frontend = DeviceFrontend(FeatureConfig(), CMVNStats.load("cmvn.json"), SpecAugmentConfig(), seed=0,
+                              augment=AugmentConfig(warp=WarpConfig(prob=0.5))).to(device)
     feats, feat_lens = frontend(waves, wave_lens, indices, epoch, training=True)   # (B, N) -> (B, T, D)
 
 Its randomness comes from (seed, epoch, dataset index) alone, one generator per utterance, so an
@@ -13,11 +15,16 @@ utterance gets the same dither and masks whatever batch it falls in, and a resum
 - SpecAugment: CPU generators draw each utterance's few numbers (2 per mask or warp), copied to the
   device as one (B, K) tensor, and the masks are built there: the same masks on any device (a CPU
   generator's stream is the same everywhere), at the cost of B small host draws, not B kernel launches.
+- warp: each utterance's factor is ASRDataset's (asr.augment.Augmenter.draw of the same seed, epoch
+  and index), applied to the log-mels before CMVN as the dataset applies it, by one gather whose
+  tables are copied over without a wait. (Noise and reverberation are the loader workers': they
+  change the waveform, which is what the workers send.)
 """
 from __future__ import annotations
 
 import torch
 
+from asr.augment import AugmentConfig, Augmenter, warp_rows
 from asr.dataset import derive_seed
 from asr.features import (
     CMVNStats,
@@ -44,9 +51,10 @@ class DeviceFrontend(torch.nn.Module):
     """
 
     def __init__(self, features: FeatureConfig, cmvn: CMVNStats | GlobalCMVN | None,
-                 specaug: SpecAugmentConfig | None = None, seed: int = 0):
+                 specaug: SpecAugmentConfig | None = None, seed: int = 0, augment: AugmentConfig | None = None):
         super().__init__()
         self.features, self.specaug, self.seed = features, specaug, seed
+        self.augmenter = Augmenter(augment, seed) if augment is not None and augment.warp.prob > 0 else None
         self.cmvn = GlobalCMVN(cmvn) if isinstance(cmvn, CMVNStats) else cmvn
 
     def forward(self, waves: torch.Tensor, wave_lens: torch.Tensor, indices: torch.Tensor, epoch: int,
@@ -62,6 +70,8 @@ class DeviceFrontend(torch.nn.Module):
             if training and self.features.dither > 0:
                 dither = [torch.Generator(waves.device).manual_seed(derive_seed(self.seed, epoch, i)) for i in keys]
             feats, feat_lens = batched_fbank(waves, wave_lens, self.features, training=training, generators=dither)
+            if training and self.augmenter is not None:
+                feats = warp_rows(feats, [self.augmenter.draw(epoch, i).warp for i in keys])
             if self.cmvn is not None:
                 padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]  # (B, T)
                 feats = self.cmvn(feats).masked_fill_(padded[:, :, None], 0.0)

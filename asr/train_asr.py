@@ -4,7 +4,8 @@
 
 hands asr.trainer.run_experiment a `SpeechExperiment`, whose `build` reads like its table of
 contents: read the manifests, check or save EXP/config.yaml, take the tokenizer and the CMVN
-statistics (given, or built in EXP: asr.train_setup), build the model and its run, counted in
+statistics (given, or built in EXP: asr.train_setup), build the model (with training.init_from,
+another model's weights: asr.init_from) and its run, counted in
 seconds of audio (asr.asr_task.AUDIO), its micro-batch data.max_batch_seconds or, for "auto", the
 largest a GPU holds (`probe_micro_batch`; AUTO_CPU_SECONDS elsewhere). Its `parts` are the loop's:
 the task (asr.asr_task.ASRTask, with a fixed subset of the valid set to decode and the utterances
@@ -31,6 +32,7 @@ from asr.device_frontend import DeviceFrontend
 from asr.distributed import Context
 from asr.feature_archive import FeatureArchive
 from asr.features import GlobalCMVN
+from asr.init_from import init_from
 from asr.loader import AUTO_CPU_SECONDS, make_loader
 from asr.manifest import read_manifest
 from asr.model import build_model
@@ -88,6 +90,11 @@ class SpeechExperiment:
         self.config = dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                             vocab_size=self.tokenizer.vocab_size))
         model = build_model(self.config.model, tokens_per_second=rate)
+        if self.training.init_from:  # a resumed run's checkpoint replaces these weights
+            try:
+                log.info(init_from(model, self.training.init_from, self.training.init_modules, self.tokenizer))
+            except ValueError as e:
+                raise TrainingError(str(e)) from None
         plan: Any = batch_plan(self.config, ctx.world_size) if config.data.max_batch_seconds != "auto" else (
             AutoMicroBatch(probe=self._probe, plan=lambda cap: batch_plan(self.config, ctx.world_size, cap)))
         return make_run(self.training, model, exp, ctx, plan, unit=AUDIO, envelope=self.envelope,
@@ -175,7 +182,7 @@ class SpeechExperiment:
             drawn = drawn[:tc.attention_plots]
         loader = self._loader(run, subset, training=False, sharded=False) if subset else None
         pictures = self._loader(run, drawn, training=False, sharded=False, workers=0) if drawn else None
-        frontend = (DeviceFrontend(data.features, self.cmvn, data.specaug, seed=tc.seed)
+        frontend = (DeviceFrontend(data.features, self.cmvn, data.specaug, seed=tc.seed, augment=data.augment)
                     if data.frontend == "device" else None)
         return ASRTask(run.model, self.tokenizer, data.features, self.config.model.ctc_weight, run.ctx.device,
                        decode_loader=loader, decode_text={u.id: u.text for u in subset}, frontend=frontend,

@@ -69,6 +69,11 @@ class TrainingConfig:
     # (speech) hours of training audio (all processes) after which, once past the warmup, a CTC loss per token
     # still near chance (ln V) is reported, once, in the log and metrics.jsonl (0: never)
     plateau_check_hours: float = 20.0
+    # (speech) start from this model file's weights (fine-tuning: `asr train --init-from`): the modules named in
+    # init_modules (of encoder, decoder, ctc) are loaded; the output layers (the decoder's embedding and output, the
+    # CTC head) are re-initialised when the model file's tokenizer differs from this run's; "" = from scratch
+    init_from: str = ""
+    init_modules: tuple[str, ...] = ("encoder", "decoder", "ctc")
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     num_threads: int = 0  # torch CPU threads per process (0: torch's default)
 

@@ -7,7 +7,7 @@
 #                             [--num-train N] [--num-dev N] [--num-test N] [--num-dev-near N]
 #                             [--num-dev-synth N] [--festival-dir DIR] [--extra-dev-decodes open|all]
 #                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
-#                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [section.key=value ...]
+#                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [--streaming] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 synthesize train/dev/test, and dev's sentences again as dev_near (eSpeak, the training
@@ -20,6 +20,12 @@
 #                                    local/tune.py chooses on dev (test decoded once); dev_near and
 #                                    dev_synth open vocabulary (--extra-dev-decodes all: all three)
 #   6 results table (each dev set and test, per accent), the accents' distances, a transcription
+# --streaming trains a streaming model (model.causal_conv and U2's dynamic chunk training:
+# model.dynamic_chunk) and stage 5 also decodes dev and test open vocabulary as it streams (CTC
+# prefix beam search rescored by the decoder: decoding.mode ctc_rescore) at full context and at
+# chunks of 16, 8 and 4 encoder frames (1.28, 0.64 and 0.32 s at 8x subsampling) with all the left
+# context: decode_{dev,test}_open_chunk<N> (chunk0: full context); `asr transcribe --streaming`
+# streams such a model.
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
 # ~175 audio-seconds per second against ~130 for one process with 2 threads (the same 40 s steps;
@@ -34,7 +40,7 @@ root=$(cd "$here/../.." && pwd)
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
 num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
 lm_sentences=""; lm_clauses=""; seed=0
-config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""
+config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""; streaming=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
 while [ $# -gt 0 ]; do
   case $1 in
@@ -56,6 +62,7 @@ while [ $# -gt 0 ]; do
     --exp-dir) exp=$(abspath "$2"); shift 2;;
     --nproc) nproc=$2; shift 2;;
     --seed) seed=$2; shift 2;;
+    --streaming) streaming=1; overrides+=(model.causal_conv=true model.dynamic_chunk=true); shift;;
     -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
@@ -171,6 +178,14 @@ decode() {
       --config "$conf" decoding.lexicon="$data/words.txt" decoding.nbest="$beam"
     then+=(--then "$exp/decode_${set}_lexicon" "$data/$set.jsonl" "$exp/decode_$set")
   done
+  if [ -n "$streaming" ]; then  # as the model streams: chunked attention, every left chunk
+    for chunk in 0 16 8 4; do
+      for set in dev test; do
+        asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open_chunk$chunk" \
+          --config "$conf" --beam-size 10 --mode ctc_rescore decoding.chunk_size=$chunk
+      done
+    done
+  fi
   python local/tune.py choose --beam "$exp/decode_dev_lexicon" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
     --config "$conf" --out "$exp/decode.yaml" "${then[@]}"
 }
