@@ -45,6 +45,7 @@ from asr.neural_lm import NeuralLM, is_neural_lm, load_neural_lm
 from asr.quantize import int8_model
 from asr.search import Hypothesis
 from asr.segmentation import SegmentOptions, has_speech, segment_audio
+from asr.streaming import Stream, StreamingOptions
 from asr.tokenizer import Tokenizer
 
 __all__ = ["Recognizer", "Result", "Segment", "Word", "load_model", "resolve_device"]
@@ -216,6 +217,30 @@ class Recognizer:
         input; `warn` is told of a file cut short."""
         for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds, warn), segmentation):
             yield start, wave.numel(), self.feats(wave) if has_speech(wave, segmentation.speech_db) else None
+
+    def stream(self, chunk_size: int = 16, left_chunks: int = -1, *, endpoint_silence: float = 0.0,
+               max_segment: float = 0.0, beam_size: int | None = None, ctc_weight: float | None = None,
+               length_bonus: float | None = None) -> Stream:
+        """A Stream (asr.streaming) of this recognizer's model, tokenizer, features and CMVN, which
+        encodes chunks of `chunk_size` encoder frames attending to `left_chunks` chunks before
+        (-1: all) and ends segments after `endpoint_silence` seconds of trailing blanks or
+        `max_segment` seconds (0: off). beam_size, ctc_weight and length_bonus default to this
+        recognizer's decoding options (its mode, lexicon, LM and int8 do not apply: a stream
+        rescores CTC prefixes, ctc_rescore). With endpointing off, a stream's final text is that of
+        `transcribe` with mode ctc_rescore and decoding chunk_size / left_chunks set, on one
+        segment. ValueError for an exported model or a model whose convolutions see the future."""
+        if not isinstance(self.model, ASRModel):
+            raise ValueError("streaming needs a PyTorch model file: an exported (ONNX) model encodes whole utterances")
+        if not self.model.encoder.can_stream:
+            raise ValueError("streaming needs a model built with model.causal_conv: true (this one's convolutions "
+                             "see future frames)")
+        o = self.options
+        options = StreamingOptions(
+            chunk_size=chunk_size, left_chunks=left_chunks, endpoint_silence=endpoint_silence, max_segment=max_segment,
+            beam_size=o.beam_size if beam_size is None else beam_size,
+            ctc_weight=o.ctc_weight if ctc_weight is None else ctc_weight,
+            length_bonus=o.length_bonus if length_bonus is None else length_bonus)
+        return Stream(self.model, self.tokenizer, self.features, self.cmvn, options)
 
     def feats(self, wave: torch.Tensor) -> torch.Tensor:
         """(T,) 16 kHz waveform -> (frames, n_mels) normalized features on the device (frames =

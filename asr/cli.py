@@ -202,13 +202,17 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if not audio:
         raise ValueError("no AUDIO to transcribe")
     config = _decoding_config(args, overrides)
+    _check_streaming_flags(args, config)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
                             search_threads=thread_policy(args.threads))
     if args.format == "all" and not args.output_dir:
         raise ValueError("--format all needs --output-dir DIR")
     if args.output_dir:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails first
-    results = recognizer.transcribe(audio, raw=raw, word_timestamps=args.word_timestamps)
+    if args.streaming:
+        results = _stream_files(recognizer, audio, raw, args)
+    else:
+        results = recognizer.transcribe(audio, raw=raw, word_timestamps=args.word_timestamps)
     with contextlib.suppress(AttributeError, ValueError):  # names that are not UTF-8 print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
     failed = [r for r in results if r.error is not None]
@@ -229,6 +233,73 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if unwritten:
         print(f"asr transcribe: {len(unwritten)} output files could not be written", file=sys.stderr)
     return 1 if failed or unwritten else 0
+
+
+STREAM_PIECE_SECONDS = 0.1  # transcribe --streaming feeds each file in pieces this long, as if live
+STREAM_FLAGS = {"--chunk-size": "stream_chunk_size", "--left-chunks": "stream_left_chunks",  # need --streaming
+                "--endpoint-silence": "endpoint_silence", "--max-segment": "max_segment"}  # (dests: not decoding's)
+
+
+def _check_streaming_flags(args: argparse.Namespace, config: DecodingConfig) -> None:
+    """transcribe's streaming flags: the chunk flags need --streaming; with it, what applies only
+    to the whole-file search is refused (one line)."""
+    if not args.streaming:
+        given = [flag for flag, dest in STREAM_FLAGS.items() if getattr(args, dest) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --streaming")
+        return
+    refused = [flag for flag, on in (("--word-timestamps", args.word_timestamps), ("--lexicon", config.lexicon),
+                                     ("--lm", config.lm), ("--int8", config.int8)) if on]
+    if refused:
+        verb = "does" if len(refused) == 1 else "do"
+        raise ValueError(f"--streaming rescores CTC prefixes (ctc_rescore): {', '.join(refused)} {verb} not apply")
+
+
+def _stream_files(recognizer, audio: list[str], raw, args: argparse.Namespace) -> list:
+    """Each file fed to its own Stream (Recognizer.stream) in pieces of STREAM_PIECE_SECONDS, as
+    if it arrived live (without waiting): its partial and final results to stderr as they come
+    (`_event_lines`), its finals as the file's asr.api.Result (a segment per final)."""
+    from asr.api import Result, Segment
+    from asr.audio import SAMPLE_RATE, AudioError, iter_blocks, shown_path
+
+    tty, results = sys.stderr.isatty(), []
+    for path in audio:
+        stream = recognizer.stream(16 if args.stream_chunk_size is None else args.stream_chunk_size,
+                                   -1 if args.stream_left_chunks is None else args.stream_left_chunks,
+                                   endpoint_silence=args.endpoint_silence or 0.0, max_segment=args.max_segment or 0.0)
+        name, samples, warnings = shown_path(path), 0, []
+        blocks = iter_blocks(path, block_seconds=STREAM_PIECE_SECONDS, raw=raw, on_truncated=warnings.append)
+        while True:
+            try:
+                block = next(blocks, None)
+            except (AudioError, OSError, ValueError) as e:  # the file cannot be read (as in transcribe)
+                error = str(e) if isinstance(e, AudioError) else f"{name}: {e}"
+                break
+            if block is None:
+                error = None
+                break
+            samples += block.numel()
+            sys.stderr.write(_event_lines(stream.accept_waveform(block), name, tty))
+        if error is not None:
+            sys.stderr.write("\n" if tty and samples else "")
+            results.append(Result(os.fsdecode(path), "", error=error))
+            continue
+        sys.stderr.write(_event_lines(stream.finish(), name, tty))
+        for warning in warnings:
+            print(f"asr transcribe: warning: {warning}", file=sys.stderr)
+        segments = tuple(Segment(e.start, e.end, e.text) for e in stream.finals)
+        results.append(Result(os.fsdecode(path), stream.result(), tuple(t for e in stream.finals for t in e.tokens),
+                              segments=segments, duration=samples / SAMPLE_RATE, warnings=tuple(warnings)))
+    return results
+
+
+def _event_lines(events: list, name: str, tty: bool) -> str:
+    """Streaming events as stderr shows them: "partial NAME: text" and "final NAME: text", a line
+    each; on a terminal a partial overwrites the line before (carriage return, erase to its end)
+    and stays open until the next one or a final."""
+    if not tty:
+        return "".join(f"{e.kind} {name}: {e.text}\n" for e in events)
+    return "".join(f"\r\x1b[K{e.kind} {name}: {e.text}" + ("\n" if e.kind == "final" else "") for e in events)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -537,6 +608,18 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw-format", default="PCM_16", metavar="SUBTYPE",
                    help="sample format of raw input: PCM_16 (default), PCM_24, PCM_32, PCM_U8, FLOAT, ...")
     p.add_argument("--raw-channels", type=int, default=1, metavar="N", help="channels of raw input (default 1)")
+    g = p.add_argument_group("streaming", "--streaming: each file is fed in 0.1 s pieces to a streaming "
+                             "recognizer (a model with model.causal_conv), as if live; partial results go to stderr "
+                             "as they come, the transcripts to stdout (or --output-dir) in --format. The search is "
+                             "CTC prefix beam search rescored by the decoder (ctc_rescore, --beam-size, --ctc-weight)")
+    g.add_argument("--streaming", action="store_true", help="recognize each file chunk by chunk as it arrives")
+    g.add_argument("--chunk-size", dest="stream_chunk_size", type=_positive, metavar="N",
+                   help="encoder frames per chunk (default 16: 640 ms at 4x subsampling)")
+    g.add_argument("--left-chunks", dest="stream_left_chunks", type=int, metavar="L",
+                   help="chunks of left context each chunk attends to (default -1: all)")
+    g.add_argument("--endpoint-silence", type=float, metavar="S",
+                   help="seconds of trailing silence (blank CTC frames) that end a segment (default 0: off)")
+    g.add_argument("--max-segment", type=float, metavar="S", help="seconds after which a segment ends (default 0: off)")
     add_decoding_flags(p)
     p.set_defaults(func=cmd_transcribe)
 

@@ -6,6 +6,15 @@
             print(event.kind, event.text)             # "partial" while talking, "final" at endpoints
     events = stream.finish()                          # the last final
 
+Many streams at once (a server): `feed` buffers each stream's audio as features without encoder
+work, `end` marks a stream's end, and `advance(streams)` encodes the ready chunks of all of them
+in one batched encoder step (StreamingEncoder.forward_chunks) and returns each one's events:
+
+    for stream, samples in arrivals():
+        stream.feed(samples)
+    for stream, events in zip(streams, advance(streams)):  # [] for the streams not ready
+        ...
+
 The waveform becomes filterbank frames as it arrives (the frames of the whole file: asr.features),
 then CMVN; the encoder encodes each chunk of `chunk_size` encoder frames once they are all there
 (StreamingEncoder.forward_chunk: the whole utterance's output under the same chunk mask); CTC
@@ -23,6 +32,7 @@ and 10 ms) plus the subsampling's right context (6 feature frames at 4x) and the
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,7 +45,7 @@ from asr.search import SearchOptions, rescore_prefixes
 from asr.tokenizer import Tokenizer
 from asr.tokens import BLANK
 
-__all__ = ["Event", "Stream", "StreamingOptions"]
+__all__ = ["Event", "Stream", "StreamingOptions", "advance"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,14 @@ class Event(NamedTuple):
 
 class Stream:
     """One audio stream recognized as it arrives (see the module docstring). `model` is an
-    ASRModel with a streaming encoder, in eval mode on its device."""
+    ASRModel with a streaming encoder, in eval mode on its device.
+
+    Two ways to drive it. One stream by itself: `accept_waveform` / `accept_feats` (buffer, then
+    encode what is ready) and `finish`. Many streams (a server): `feed` each stream its audio as
+    it comes (buffered as features, no encoder work), `end` one when its audio ends, and call
+    `advance(streams)` for those that are `ready`, which encodes their chunks in one batched
+    encoder step; a stream is `finished` once the advance after `end` has given its last final.
+    Not thread-safe: feed a stream between advances, never during one that holds it."""
 
     def __init__(self, model: Any, tokenizer: Tokenizer, features: FeatureConfig, cmvn: GlobalCMVN | None,
                  options: StreamingOptions | None = None) -> None:
@@ -81,6 +98,8 @@ class Stream:
         self._encoder = model.encoder
         self._state = self._encoder.init_state(1, device=self.device, dtype=self.dtype)
         self._samples = torch.zeros(0)  # waveform not yet framed
+        self._feats = torch.zeros(0, features.n_mels, device=self.device, dtype=self.dtype)  # (F, n_mels):
+        # features after CMVN that the encoder has not taken yet
         self._window, self._hop = frame_sizes(features)
         self._frame_seconds = 1.0 / model.config.frames_per_second  # of an encoder frame
         self._frames = 0  # encoder frames so far
@@ -89,16 +108,18 @@ class Stream:
         self._search = self._new_search()
         self._partial: tuple[int, ...] = ()
         self.finals: list[Event] = []
-        self._finished = False
+        self._ended = False  # no more audio (`end`)
+        self._finished = False  # and the last final given
 
     def _new_search(self) -> StreamingPrefixSearch:
         like = torch.zeros(0, dtype=torch.float32, device=self.device)
         return StreamingPrefixSearch(batch=1, beam=self.options.beam_size, like=like, blank=BLANK)
 
     @torch.no_grad()
-    def accept_waveform(self, samples: torch.Tensor | Any, rate: int = SAMPLE_RATE) -> list[Event]:
-        """The events the next samples (1-D, float in [-1, 1)) bring: a partial when the best guess
-        changed, a final at an endpoint. Other rates than 16 kHz are resampled piece by piece."""
+    def feed(self, samples: torch.Tensor | Any, rate: int = SAMPLE_RATE) -> None:
+        """Buffer the next samples (1-D, float in [-1, 1)) as filterbank frames after CMVN; no
+        encoder work (`advance` does it). Other rates than 16 kHz are resampled piece by piece."""
+        self._check_open()
         wave = torch.as_tensor(samples, dtype=torch.float32).flatten()
         if rate != SAMPLE_RATE:
             import torchaudio.functional
@@ -107,23 +128,75 @@ class Stream:
         self._samples = torch.cat([self._samples, wave])
         frames = num_frames(self._samples.numel(), self.features)
         if frames == 0:
-            return []
+            return
         used = (frames - 1) * self._hop + self._window
         feats = fbank(self._samples[:used], self.features)  # (frames, n_mels): the whole file's frames
         self._samples = self._samples[frames * self._hop:]
-        return self.accept_feats(feats)
+        self._queue(feats)
 
-    @torch.no_grad()
-    def accept_feats(self, feats: torch.Tensor, *, final: bool = False) -> list[Event]:
-        """The events the next filterbank frames (F, n_mels) bring (before CMVN); `final`: the end."""
+    @property
+    def ready(self) -> bool:
+        """Whether `advance` has work here: a whole chunk of features waits, or the stream was
+        ended and has not given its last final yet."""
+        if self._finished:
+            return False
+        return self._ended or self._encoder.frames_waiting(self._state, self._feats.size(0)) >= self.options.chunk_size
+
+    def end(self) -> None:
+        """The end of the audio: the next `advance` encodes the last partial chunk and gives the
+        last final. No more audio may be fed; ending twice is ending once."""
         if self._finished:
             raise ValueError("the stream is finished")
+        self._ended = True
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream was ended and has given its last final."""
+        return self._finished
+
+    def accept_waveform(self, samples: torch.Tensor | Any, rate: int = SAMPLE_RATE) -> list[Event]:
+        """The events the next samples bring (`feed`, then `advance` of this stream): a partial
+        when the best guess changed, a final at an endpoint."""
+        self.feed(samples, rate)
+        return advance([self])[0]
+
+    def accept_feats(self, feats: torch.Tensor, *, final: bool = False) -> list[Event]:
+        """The events the next filterbank frames (F, n_mels) bring (before CMVN); `final`: the end."""
+        self._check_open()
+        self._queue(feats)
+        if final:
+            self.end()
+        return advance([self])[0]
+
+    def finish(self) -> list[Event]:
+        """The end of the audio: the last chunk encoded, the last segment's final (if it heard any)."""
+        self.end()
+        return advance([self])[0]
+
+    def result(self) -> str:
+        """The final texts so far, joined by spaces."""
+        return " ".join(e.text for e in self.finals if e.text)
+
+    def _check_open(self) -> None:
+        if self._ended:
+            raise ValueError("the stream is finished: no audio after end()" if self._finished
+                             else "the stream was ended: no audio after end()")
+
+    @torch.no_grad()
+    def _queue(self, feats: torch.Tensor) -> None:
         if self.cmvn is not None and feats.numel():
             feats = self.cmvn(feats.to(self.cmvn.mean.device))
-        feats = feats.to(self.device, self.dtype)[None]
+        self._feats = torch.cat([self._feats, feats.to(self.device, self.dtype)])
+
+    def _batch_key(self) -> tuple[Any, ...]:
+        """Streams with equal keys share a batched encoder step."""
         o = self.options
-        h, self._state = self._encoder.forward_chunk(feats, self._state, chunk_size=o.chunk_size,
-                                                     left_chunks=o.left_chunks, final=final)
+        return id(self._encoder), o.chunk_size, o.left_chunks, self.dtype, self.device
+
+    def _events(self, h: torch.Tensor) -> list[Event]:
+        """The events of new encoder output h (1, n, d) (whole chunks; with the end, the last
+        partial one), a result after each chunk; the last final once the stream has ended."""
+        o = self.options
         events: list[Event] = []
         eos = torch.tensor([self.model.config.eos], device=h.device)
         log_probs = self.model.ctc_log_probs(h).index_fill(2, eos, float("-inf"))  # (1, n, V)
@@ -139,19 +212,11 @@ class Stream:
             if best != self._partial:
                 self._partial = best
                 events.append(self._event("partial", best))
-        if final:
+        if self._ended:
             self._finished = True
             if self._frames > self._segment_start:
                 events.append(self._finish_segment())
         return events
-
-    def finish(self) -> list[Event]:
-        """The end of the audio: the last chunk encoded, the last segment's final (if it heard any)."""
-        return self.accept_feats(torch.zeros(0, self.features.n_mels), final=True)
-
-    def result(self) -> str:
-        """The final texts so far, joined by spaces."""
-        return " ".join(e.text for e in self.finals if e.text)
 
     def _best(self) -> tuple[int, ...]:
         beams = self._search.prefixes()
@@ -182,3 +247,33 @@ class Stream:
         text = self.tokenizer.decode(list(tokens)) if tokens else ""
         return Event(kind, text, tuple(tokens), self._segment_start * self._frame_seconds,
                      self._frames * self._frame_seconds)
+
+
+@torch.no_grad()
+def advance(streams: Sequence[Stream]) -> list[list[Event]]:
+    """Encode the ready chunks of the given streams (Stream.ready; with several chunks waiting,
+    all of them) and return each stream's events, in order ([] for a stream that was not ready).
+
+    Streams of the same model, dtype, device, chunk_size and left_chunks share the encoder:
+    each round of StreamingEncoder.forward_chunks encodes one chunk of each of them as one batch
+    (their attention caches padded on the left with validity masks, each stream's own positions
+    and subsampler leftovers), with the same outputs as each stream alone. Streams whose model or
+    chunk options differ are grouped: one batched encoder call per group, never an error. A stream
+    may appear once."""
+    if len({id(s) for s in streams}) != len(streams):
+        raise ValueError("advance: a stream appears twice")
+    events: list[list[Event]] = [[] for _ in streams]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, s in enumerate(streams):
+        if s.ready:
+            groups.setdefault(s._batch_key(), []).append(i)
+    for members in groups.values():
+        group = [streams[i] for i in members]
+        o = group[0].options
+        h, states = group[0]._encoder.forward_chunks([s._feats[None] for s in group], [s._state for s in group],
+                                                     chunk_size=o.chunk_size, left_chunks=o.left_chunks,
+                                                     final=[s._ended for s in group])
+        for i, s, h_i, state in zip(members, group, h, states):
+            s._state, s._feats = state, s._feats[:0]
+            events[i] = s._events(h_i)
+    return events

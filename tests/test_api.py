@@ -1,8 +1,10 @@
 """The Python API: load_model, transcribe (files, waveforms, failures, long audio), formats."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import random
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,7 @@ from asr.checkpoint import CheckpointError, model_file, save_atomic
 from asr.config import to_dict
 from asr.features import CMVNStats, FeatureConfig, fbank
 from asr.formats import format_results
+from asr.model import ASRModel
 from asr.search import Hypothesis
 from asr.segmentation import SegmentOptions, segment_audio
 from asr.tokenizer import CharTokenizer
@@ -59,11 +62,19 @@ def write_decode_files(folder: Path, text: str = "AB HE") -> Path:
     return write_model_file(folder / "model.pt", eos_bias=0.0)
 
 
-def write_model_file(path: Path, *, seed: int = 0, eos_bias: float = 3.0, blank_bias: float = 0.0) -> Path:
+def write_model_file(path: Path, *, seed: int = 0, eos_bias: float = 3.0, blank_bias: float = 0.0,
+                     streaming: bool = False) -> Path:
     """A model file of a random tiny model (float32, character tokens A-H and space), CMVN from
     speech-like audio; `eos_bias` makes its decoder end hypotheses early, `blank_bias` its CTC
-    head hear nothing."""
+    head hear nothing; `streaming`: a conformer with causal convolutions (asr.streaming)."""
     model = tiny_model(seed, dtype=torch.float32)
+    if streaming:
+        torch.manual_seed(seed)
+        model = ASRModel(dataclasses.replace(model.config, encoder="conformer", conv_kernel=5,
+                                             causal_conv=True)).eval()
+        with torch.no_grad():  # peaked outputs, as tiny_model's
+            model.decoder.output.weight.mul_(4.0)
+            model.ctc.weight.mul_(4.0)
     with torch.no_grad():
         model.decoder.output.bias[model.config.eos] += eos_bias
         model.ctc.bias[0] += blank_bias
@@ -281,6 +292,50 @@ def test_long_audio_gives_timed_segments(talking):
     assert result.segments[0].start == 0 and result.segments[-1].end == pytest.approx(50.0)
     assert all(a.end == b.start for a, b in zip(result.segments, result.segments[1:]))
     assert result.text == " ".join(s.text for s in result.segments if s.text)
+
+
+@pytest.mark.parametrize("chunk,left", [(4, -1), (6, 1)])
+def test_streaming_a_file_gives_the_final_text_of_a_chunked_ctc_rescore_transcribe(tmp_path, chunk, left):
+    """Recognizer.stream, a file's samples fed in random pieces, endpointing off: the final text is
+    transcribe's of the same file with decoding chunk_size / left_chunks and mode ctc_rescore (one
+    segment, no length cap), and partials come before it."""
+    options = asr.decoding.DecodingOptions(mode="ctc_rescore", beam_size=4, ctc_weight=0.5, max_rate_factor=0.0,
+                                           chunk_size=chunk, left_chunks=left)
+    recognizer = load_model(write_model_file(tmp_path / "model.pt", eos_bias=0.0, streaming=True), options=options)
+    wave = speechlike(2.6, 5)
+    sf.write(tmp_path / "a.wav", wave, 16000)
+    one_segment = SegmentOptions(max_seconds=60.0, pause_db=1000.0)
+    expected = recognizer.transcribe(str(tmp_path / "a.wav"), segmentation=one_segment)[0]
+    assert len(expected.segments) == 1 and len(expected.text) > 3
+    samples, _ = sf.read(tmp_path / "a.wav", dtype="float32")
+    stream, events, start, rng = recognizer.stream(chunk, left), [], 0, random.Random(chunk)
+    assert stream.options.beam_size == 4 and stream.options.ctc_weight == 0.5
+    while start < len(samples):
+        size = rng.randint(1, 5000)
+        events += stream.accept_waveform(samples[start:start + size])
+        start += size
+    events += stream.finish()
+    assert [e.kind for e in events][-1] == "final" and "partial" in [e.kind for e in events]
+    assert [e.text for e in events if e.kind == "final"] == [expected.text] == [stream.result()]
+
+
+def test_streaming_needs_a_model_with_causal_convolutions(recognizer):
+    with pytest.raises(ValueError, match="causal_conv"):
+        noncausal = ASRModel(dataclasses.replace(recognizer.model.config, encoder="conformer", conv_kernel=3))
+        Recognizer(noncausal, recognizer.tokenizer, recognizer.features, recognizer.cmvn).stream()
+    with pytest.raises(ValueError, match="exported"):
+        Recognizer(_NotATorchModel(), recognizer.tokenizer, recognizer.features, recognizer.cmvn).stream()
+    recognizer.stream(4)  # a transformer without convolutions streams
+
+
+class _NotATorchModel:
+    """What an exported model looks like to Recognizer.stream: not an ASRModel."""
+
+    def to(self, device):
+        return self
+
+    def eval(self):
+        return self
 
 
 def test_formats():

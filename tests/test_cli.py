@@ -245,3 +245,83 @@ def test_serve_says_what_binding_every_interface_means():
     assert "no authentication" in note and "\n" not in note
     assert "--allowed-host" not in binding_note("::", 8000, ["asr.example"])
     assert "192.168.1.5" in binding_note("192.168.1.5", 8000, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# transcribe --streaming
+
+
+@pytest.fixture(scope="module")
+def streaming_files(tmp_path_factory):
+    """A model file of a tiny conformer with causal convolutions, one of a conformer without, and
+    two speech-like WAVs (tests/test_api.py)."""
+    from test_api import speechlike, write_model_file
+
+    folder = tmp_path_factory.mktemp("streaming")
+    for i, seconds in enumerate((2.2, 1.3)):
+        sf.write(folder / f"a{i}.wav", speechlike(seconds, 5 + i), 16000)
+    return (write_model_file(folder / "model.pt", eos_bias=0.0, streaming=True), folder / "a0.wav",
+            folder / "a1.wav")
+
+
+def test_transcribe_streaming_prints_partials_and_the_transcripts_of_the_whole_files(streaming_files, tmp_path):
+    """Each file fed in 0.1 s pieces: partial and final lines on stderr as they come; on stdout the
+    format of transcribe, with the texts of Recognizer.stream fed the same way (its equality with a
+    chunked ctc_rescore transcribe: tests/test_api.py); --output-dir and --format json write one
+    file per input, a segment per final."""
+    import torch
+
+    from asr.api import load_model
+    from asr.decoding import DecodingOptions
+
+    model, *files = streaming_files
+    flags = ["--streaming", "--chunk-size", "4", "--left-chunks", "2", "--beam-size", "4", "--ctc-weight", "0.5",
+             "--threads", "1"]
+    done = asr("transcribe", "--model", model, *files, *flags)
+    assert done.returncode == 0, done.stderr
+    recognizer = load_model(model, options=DecodingOptions(beam_size=4, ctc_weight=0.5))
+    expected = []
+    for path in files:
+        samples, _ = sf.read(path, dtype="float32")
+        stream = recognizer.stream(4, 2)
+        for piece in torch.from_numpy(samples).split(1600):
+            stream.accept_waveform(piece)
+        stream.finish()
+        expected.append(stream.result())
+    assert all(expected) and done.stdout == "".join(f"{p}\t{t}\n" for p, t in zip(files, expected))
+    lines = done.stderr.splitlines()
+    for path, text in zip(files, expected):
+        mine = [line for line in lines if line.split(":")[0].split(" ")[-1] == str(path)]
+        assert mine[-1] == f"final {path}: {text}" and mine[0].startswith(f"partial {path}: ")
+    out = tmp_path / "out"
+    done = asr("transcribe", "--model", model, files[0], *flags, "--max-segment", "1.0", "--output-dir", out,
+               "--format", "json")
+    assert done.returncode == 0, done.stderr
+    written = json.loads((out / "a0.json").read_text())[0]
+    finals = [line.split(": ", 1)[1] for line in done.stderr.splitlines() if line.startswith("final ")]
+    assert len(written["segments"]) == len(finals) >= 2 and [s["text"] for s in written["segments"]] == finals
+    assert written["text"] == " ".join(t for t in finals if t) and written["duration"] == 2.2
+
+
+def test_transcribe_streaming_refuses_what_does_not_apply_in_one_line(streaming_files, capsys):
+    from asr.cli import main
+
+    model, audio, _ = streaming_files
+    for args, message in [(["--chunk-size", "4"], "--chunk-size needs --streaming"),
+                          (["--left-chunks", "1", "--max-segment", "2"], "--left-chunks, --max-segment need"),
+                          (["--streaming", "--word-timestamps"], "--word-timestamps does not apply"),
+                          (["--streaming", "--lm", "x.arpa", "--int8"], "--lm, --int8 do not apply")]:
+        assert main(["transcribe", "--model", str(model), str(audio), *args]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+def test_partials_overwrite_one_line_on_a_terminal():
+    from asr.cli import _event_lines
+    from asr.streaming import Event
+
+    events = [Event("partial", "a", (5,), 0.0, 0.6), Event("partial", "ab", (5, 6), 0.0, 1.2),
+              Event("final", "abc", (5, 6, 7), 0.0, 1.5)]
+    assert _event_lines(events, "x.wav", tty=True) == ("\r\x1b[Kpartial x.wav: a\r\x1b[Kpartial x.wav: ab"
+                                                      "\r\x1b[Kfinal x.wav: abc\n")
+    assert _event_lines(events, "x.wav", tty=False) == "partial x.wav: a\npartial x.wav: ab\nfinal x.wav: abc\n"

@@ -30,7 +30,49 @@ def streaming_model(kind: str, **changes) -> ASRModel:
     return ASRModel(dataclasses.replace(STREAMING[kind], **changes)).double().eval()
 
 
-def test_chunk_mask_allows_the_own_chunk_and_the_left_chunks():
+def without_chunks(forward_intermediate, seen: list):
+    """The encoder's forward_intermediate called without its chunk arguments (noted in `seen`)."""
+    def whole(feats, feat_lens, layers, **chunk):
+        seen.append(chunk)
+        return forward_intermediate(feats, feat_lens, layers)
+
+    return whole
+
+
+@pytest.mark.parametrize("kind", ["conformer", "transformer"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunk_size_zero_is_bit_identical_to_full_context(kind, causal):
+    """chunk_size=0 (whatever left_chunks) is the encoder called without chunk arguments, bit for
+    bit; and training with dynamic_chunk off takes the steps of a model whose encoder is only ever
+    called without them (the same weights after two steps, the same random draws)."""
+    model = streaming_model(kind, causal_conv=causal)
+    g = torch.Generator().manual_seed(6)
+    feats, lens = torch.randn(2, 70, SMALL.n_mels, generator=g, dtype=torch.float64), torch.tensor([70, 51])
+    with torch.no_grad():
+        full = model.encoder(feats, lens)
+        for kwargs in ({"chunk_size": 0}, {"chunk_size": 0, "left_chunks": 2}):
+            assert torch.equal(model.encoder(feats, lens, **kwargs)[0], full[0])
+        assert torch.equal(model.encode(feats, lens)[0], full[0])
+    tokens, token_lens = torch.tensor([[3, 4, 5], [6, 7, -1]]), torch.tensor([3, 2])
+    trained, seen = [], []
+    for reference in (False, True):
+        model = streaming_model(kind, causal_conv=causal, dropout=0.1, dynamic_chunk=False).train()
+        if reference:  # the encoder as it was before chunks: no chunk arguments reach it
+            model.encoder.forward_intermediate = without_chunks(model.encoder.forward_intermediate, seen)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(7)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(feats, lens, tokens, token_lens).loss.backward()
+            optimizer.step()
+        trained.append((model.state_dict(), torch.random.get_rng_state()))
+    assert seen == [{"chunk_size": 0}] * 2
+    assert torch.equal(trained[0][1], trained[1][1])
+    for name, weight in trained[0][0].items():
+        assert torch.equal(weight, trained[1][0][name]), name
+
+
+def test_chunk_mask_sees_only_its_chunk_and_left_context():
     for length, chunk, left in [(10, 3, -1), (10, 3, 0), (10, 3, 1), (7, 1, 2), (5, 8, -1)]:
         mask = chunk_mask(length, chunk, left)[0, 0]
         for i in range(length):
@@ -91,7 +133,7 @@ def stream(encoder, feats: torch.Tensor, chunk: int, left: int, seed: int, most:
 
 @pytest.mark.parametrize("kind", ["conformer", "transformer"])
 @pytest.mark.parametrize("chunk,left", [(1, -1), (4, -1), (4, 0), (3, 2), (16, 1)])
-def test_chunk_by_chunk_encoding_equals_the_whole_utterance(kind, chunk, left):
+def test_forward_chunk_equals_whole_utterance_for_any_split(kind, chunk, left):
     """Any split of the features, frames arriving 1 to 50 at a time (and one at a time): the
     encoder output of the whole utterance under the same chunk mask, float64, to 1e-9."""
     model = streaming_model(kind)
@@ -211,7 +253,7 @@ def recognizer_parts(kind: str = "conformer"):
 
 
 @pytest.mark.parametrize("chunk,left", [(4, -1), (8, 1)])
-def test_streaming_final_text_equals_the_chunked_ctc_rescore_decode(chunk, left):
+def test_streaming_final_text_equals_offline_decode_of_the_same_model(chunk, left):
     """Endpointing and length caps off, one utterance fed in random pieces: the final text is the
     non-streaming ctc_rescore decode of the same model under the same chunk mask (float64), and
     the partial results along the way are prefixes the search held."""
@@ -311,3 +353,153 @@ def test_decoding_chunk_size_encodes_as_the_streaming_model_hears():
         DecodingTask(WholeOnly(), tokenizer, options)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_size"):
         DecodingOptions(chunk_size=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# several streams in one batched encoder step (StreamingEncoder.forward_chunks, asr.streaming.advance)
+
+
+@pytest.mark.parametrize("kind", ["conformer", "transformer"])
+@pytest.mark.parametrize("chunk,left", [(4, -1), (3, 1), (8, 0)])
+def test_streams_batched_together_give_each_ones_encoder_output(kind, chunk, left):
+    """Streams of different lengths that start at different times, fed in random pieces and advanced
+    together in random interleavings (float64): each stream's output is that of its whole utterance
+    under the chunk mask (to 1e-9), and of forward_chunk alone; the steps really are batched."""
+    model = streaming_model(kind)
+    g = torch.Generator().manual_seed(8)
+    lengths = [157, 93, 40, 5]  # the last makes no encoder frame
+    feats = [torch.randn(1, n, SMALL.n_mels, generator=g, dtype=torch.float64) for n in lengths]
+    encoder, batches = model.encoder, []
+    step = encoder._chunk_step
+
+    def counted(chunks, caches, left):
+        batches.append(len(chunks))
+        return step(chunks, caches, left)
+
+    encoder._chunk_step = counted
+    with torch.no_grad():
+        whole = [encoder(f, torch.tensor([f.size(1)]), chunk_size=chunk, left_chunks=left) for f in feats]
+        for seed in range(2):
+            rng, batches[:] = random.Random(seed), []
+            begins = [rng.randint(0, 4) for _ in feats]  # the round each stream starts in
+            states = [encoder.init_state(1, dtype=torch.float64) for _ in feats]
+            fed, out, rounds = [0] * len(feats), [[] for _ in feats], 0
+            while any(n < f.size(1) for n, f in zip(fed, feats)):
+                rows = [i for i, f in enumerate(feats) if begins[i] <= rounds and fed[i] < f.size(1)
+                        and rng.random() < 0.8]
+                pieces = []
+                for i in rows:
+                    size = rng.randint(1, 30)
+                    pieces.append(feats[i][:, fed[i]:fed[i] + size])
+                    fed[i] += size
+                h, new = encoder.forward_chunks(pieces, [states[i] for i in rows], chunk_size=chunk, left_chunks=left,
+                                                final=[fed[i] >= feats[i].size(1) for i in rows])
+                for i, h_i, state in zip(rows, h, new):
+                    out[i].append(h_i)
+                    states[i] = state
+                rounds += 1
+            for i, (memory, lens) in enumerate(whole):
+                got = torch.cat(out[i], dim=1)
+                torch.testing.assert_close(got, memory[:, :int(lens[0])], atol=1e-9, rtol=0)
+                torch.testing.assert_close(got, encoder.forward_chunk(feats[i], encoder.init_state(
+                    1, dtype=torch.float64), chunk_size=chunk, left_chunks=left, final=True)[0], atol=1e-9, rtol=0)
+            assert max(batches) >= 2
+
+
+def test_forward_chunks_wants_one_row_per_stream():
+    model = streaming_model("conformer")
+    state = model.encoder.init_state(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one row"):
+        model.encoder.forward_chunks([torch.zeros(2, 8, SMALL.n_mels, dtype=torch.float64)], [state], chunk_size=4)
+
+
+def feed_in_pieces(streams, waves, seed: int) -> list[list]:
+    """Each stream's events when the waves arrive in random pieces, the streams starting at
+    different times and advanced together after every round (asr.streaming.advance)."""
+    from asr.streaming import advance
+
+    rng = random.Random(seed)
+    begins = [rng.randint(0, 3) for _ in streams]
+    fed, events, rounds = [0] * len(streams), [[] for _ in streams], 0
+    while not all(s.finished for s in streams):
+        for i, (stream, wave) in enumerate(zip(streams, waves)):
+            if begins[i] > rounds or stream.finished or rng.random() < 0.2:
+                continue
+            if fed[i] < wave.numel():
+                size = rng.randint(1, 6000)
+                stream.feed(wave[fed[i]:fed[i] + size])
+                fed[i] += size
+            else:
+                stream.end()
+        for i, got in enumerate(advance(streams)):
+            events[i] += got
+        rounds += 1
+    return events
+
+
+def test_advance_gives_each_batched_stream_the_events_it_has_alone():
+    """Streams fed in random pieces and advanced together give every stream the events (partials,
+    finals, times) and the final text it gives alone; streams with other chunk options in the same
+    call are encoded in their own batch, with their own events too."""
+    from asr.streaming import Stream, StreamingOptions, advance
+
+    model, tokenizer, features, cmvn = recognizer_parts()
+    waves = [spoken(s, 10 + i) for i, s in enumerate((2.3, 1.1, 3.0, 0.5))]
+    options = [StreamingOptions(chunk_size=4, beam_size=3, max_segment=m) for m in (0.0, 0.0, 1.0, 0.0)]
+    options.append(StreamingOptions(chunk_size=8, left_chunks=1, beam_size=3))  # a group of its own
+    waves.append(spoken(1.7, 20))
+    alone = []
+    for wave, o in zip(waves, options):
+        stream = Stream(model, tokenizer, features, cmvn, o)
+        alone.append(stream.accept_waveform(wave) + stream.finish())
+    assert all(any(e.kind == "final" and e.text for e in events) for events in alone[:3])
+    batches = []
+    step = model.encoder._chunk_step
+
+    def counted(chunks, caches, left):
+        batches.append((len(chunks), left))
+        return step(chunks, caches, left)
+
+    model.encoder._chunk_step = counted
+    for seed in range(2):
+        streams = [Stream(model, tokenizer, features, cmvn, o) for o in options]
+        events = feed_in_pieces(streams, waves, seed)
+        for got, expected in zip(events, alone):
+            assert [(e.kind, e.tokens, e.text) for e in got] == [(e.kind, e.tokens, e.text) for e in expected]
+            assert [t for e in got for t in (e.start, e.end)] == pytest.approx([t for e in expected
+                                                                                 for t in (e.start, e.end)])
+        assert all(s.result() == " ".join(e.text for e in x if e.kind == "final" and e.text)
+                   for s, x in zip(streams, alone))
+    assert max(n for n, left in batches if left < 0) >= 3 and {left for _, left in batches} == {-1, 8}
+    assert advance([]) == []
+
+
+def test_a_stream_is_ready_with_a_whole_chunk_or_once_ended():
+    """feed buffers without encoding; ready once a chunk of encoder frames waits (chunk 4 at 4x:
+    19 feature frames, encoder frame 3 seeing frames 12 to 18), or once ended; the advance after
+    end gives the last final and the stream is finished; no audio after end; a stream given twice
+    to advance is refused."""
+    from asr.streaming import Stream, StreamingOptions, advance
+
+    model, tokenizer, features, cmvn = recognizer_parts()
+    stream = Stream(model, tokenizer, features, cmvn, StreamingOptions(chunk_size=4, beam_size=3))
+    wave = spoken(1.0, 4)
+    stream.feed(wave[:160 * 17])  # 15 frames of a 25 ms window and 10 ms hop; a chunk needs 19
+    assert not stream.ready and advance([stream]) == [[]] and stream._frames == 0
+    stream.feed(wave[160 * 17:160 * 21])
+    assert stream.ready
+    events = advance([stream])[0]
+    assert stream._frames == 4 and not stream.ready and all(e.kind == "partial" for e in events)
+    stream.feed(wave[160 * 21:])
+    stream.end()
+    assert stream.ready and not stream.finished
+    with pytest.raises(ValueError, match="ended"):
+        stream.feed(wave[:100])
+    events = advance([stream])[0]
+    assert stream.finished and not stream.ready and events[-1].kind == "final"
+    assert advance([stream]) == [[]]
+    with pytest.raises(ValueError, match="finished"):
+        stream.end()
+    other = Stream(model, tokenizer, features, cmvn)
+    with pytest.raises(ValueError, match="twice"):
+        advance([other, other])

@@ -125,16 +125,21 @@ class RelPositionAttention(MultiHeadAttention):
         y = sdpa(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, bias, dropout_p=p)  # (B, H, T, dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, self.d_model))
 
-    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk x (B, C, d) attending to itself and to the L frames whose keys and values are in
         `cache` (B, L, 2, H, dh), relative positions as `forward`'s: (B, C, d), and the keys and
-        values of the L + C frames."""
+        values of the L + C frames. `mask` (B, 1, 1, L + C): True on the valid keys, for rows
+        whose cache is padded on the left and chunk on the right (a relative position is a
+        difference of indices, which left padding keeps)."""
         b, c, _ = x.shape
         q, kv = self.q_kv(x)  # (B, H, C, dh), (B, C, 2, H, dh)
         kv = torch.cat([cache, kv], dim=1)
         keys = kv.size(1)
         positions = sinusoidal_positions(torch.arange(keys - 1, -c, -1, device=x.device), self.d_model).to(x.dtype)
         bias = self.position_bias(q, positions)  # (B, H, C, L + C)
+        if mask is not None:
+            bias = bias.masked_fill(~mask, torch.finfo(q.dtype).min)
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         y = sdpa(q + self.pos_bias_u.to(q.dtype)[:, None], k, v, bias)  # (B, H, C, dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, c, self.d_model)), kv
@@ -189,15 +194,17 @@ class ConformerLayer(nn.Module):
         y, weights = self.self_attn.forward_with_weights(self.norm_attn(x), positions, mask)
         return self._after_attention(x + self.dropout(y), valid), weights
 
-    def forward_chunk(self, x: torch.Tensor, cache: LayerCache, left: int,
-                      position: int) -> tuple[torch.Tensor, LayerCache]:
+    def forward_chunk(self, x: torch.Tensor, cache: LayerCache, left: int, position: int,
+                      mask: torch.Tensor | None = None,
+                      lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerCache]:
         """The next chunk x (B, C, d) (eval mode), attending to itself and the frames in `cache`
         (relative positions need no `position`): (B, C, d) and the cache for the next chunk (its
-        last `left` frames' keys and values, all when left < 0; the convolution's last inputs)."""
+        last `left` frames' keys and values, all when left < 0; the convolution's last inputs).
+        `mask` and `lengths`: streams batched together, as EncoderLayer.forward_chunk's."""
         x = x + 0.5 * self.ffn_macaron(self.norm_ffn_macaron(x))
-        y, kv = self.self_attn.forward_chunk(self.norm_attn(x), cache.kv)
+        y, kv = self.self_attn.forward_chunk(self.norm_attn(x), cache.kv, mask)
         x = x + y
-        y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv)
+        y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv, lengths)
         x = x + y
         x = x + 0.5 * self.ffn(self.norm_ffn(x))
         return self.norm_out(x), LayerCache(keep_last(kv, left), conv)

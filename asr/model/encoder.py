@@ -7,6 +7,7 @@ positions and the feed-forward block.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -109,12 +110,20 @@ class ConvModule(nn.Module):
             x = F.pad(x, (self.kernel - 1, 0))
         return self.pointwise_out(F.silu(self.norm(self.depthwise(x).transpose(1, 2))))
 
-    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A causal module on the next C frames x (B, C, d), all valid, after the k - 1 inputs of the
-        depthwise conv in `cache` (B, k - 1, d) (zeros at the start): (B, C, d) and the new cache."""
+    def forward_chunk(self, x: torch.Tensor, cache: torch.Tensor,
+                      lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A causal module on the next C frames x (B, C, d) after the k - 1 inputs of the depthwise
+        conv in `cache` (B, k - 1, d) (zeros at the start): (B, C, d) and the new cache. All C
+        frames are valid, or the first lengths[b] (B,) of row b: its cache then ends with its last
+        valid frame (its outputs beyond lengths[b] mean nothing; valid ones never see them)."""
         x = torch.cat([cache, F.glu(self.pointwise_in(x), dim=-1)], dim=1)  # (B, k - 1 + C, d)
         y = self.depthwise(x.transpose(1, 2)).transpose(1, 2)  # (B, C, d)
-        return self.pointwise_out(F.silu(self.norm(y))), x[:, x.size(1) - cache.size(1):]
+        if lengths is None:
+            kept = x[:, x.size(1) - cache.size(1):]
+        else:  # row b's inputs lengths[b] .. lengths[b] + k - 2
+            index = lengths[:, None] + torch.arange(cache.size(1), device=x.device)  # (B, k - 1)
+            kept = x.gather(1, index[..., None].expand(-1, -1, x.size(2)))
+        return self.pointwise_out(F.silu(self.norm(y))), kept
 
 
 class EncoderLayer(nn.Module):
@@ -152,18 +161,21 @@ class EncoderLayer(nn.Module):
         y, weights = self.self_attn.forward_with_weights(self.norm1(x), mask=mask)
         return self._after_attention(x + self.dropout(y), valid), weights
 
-    def forward_chunk(self, x: torch.Tensor, cache: LayerCache, left: int,
-                      position: int) -> tuple[torch.Tensor, LayerCache]:
+    def forward_chunk(self, x: torch.Tensor, cache: LayerCache, left: int, position: int,
+                      mask: torch.Tensor | None = None,
+                      lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerCache]:
         """The next chunk x (B, C, d) (eval mode; `position`: of its first frame, which the input's
         absolute positions already hold), attending to itself and the frames in `cache`: (B, C, d)
         and the cache for the next chunk (its last `left` frames' keys and values; all when
-        left < 0)."""
+        left < 0). Streams batched together (StreamingEncoder.forward_chunks): `mask` (B, 1, 1,
+        L + C) True on the valid keys (a cache padded on the left, a chunk on the right), `lengths`
+        (B,) the valid frames of each row's chunk (ConvModule.forward_chunk)."""
         q, kv = self.self_attn.q_kv(self.norm1(x))  # (B, H, C, dh), (B, C, 2, H, dh)
         kv = torch.cat([cache.kv, kv], dim=1)  # (B, L + C, 2, H, dh)
-        x = x + self.self_attn.attend(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
+        x = x + self.self_attn.attend(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), mask=mask)
         conv = cache.conv
         if self.conv_kernel > 0:
-            y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv)
+            y, conv = self.conv.forward_chunk(self.norm_conv(x), cache.conv, lengths)
             x = x + y
         return x + self.ffn(self.norm2(x)), LayerCache(keep_last(kv, left), conv)
 
@@ -178,7 +190,8 @@ class StreamingEncoder(nn.Module):
     pieces of any size, for a model whose convolutions are causal (ModelConfig.causal_conv): a
     chunk is encoded once its C frames are there (or at the end, `final`). The latency of a chunk:
     C encoder frames (C x subsampling feature frames) plus the subsampling's right context
-    (`right_context`: 6 feature frames at 4x)."""
+    (`right_context`: 6 feature frames at 4x). `forward_chunks` encodes several streams that started
+    at different times together, a chunk of each per batched step, each with forward_chunk's output."""
 
     d_model: int
     subsampling: Conv2dSubsampling
@@ -242,14 +255,9 @@ class StreamingEncoder(nn.Module):
                       final: bool = False) -> tuple[torch.Tensor, EncoderState]:
         """The encoder output (B, n, d) of the chunks that features feats (B, F, n_mels) complete
         (with `final`, the last partial chunk too), and the next state: `forward` under the same
-        chunk_size and left_chunks, on the frames so far. Eval mode, causal convolutions."""
-        if self.training:
-            raise ValueError("forward_chunk runs in eval mode (no dropout)")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1 for chunk-by-chunk encoding, got {chunk_size}")
-        if any(getattr(getattr(layer, "conv", None), "causal", True) is False for layer in self.layers):
-            raise ValueError("chunk-by-chunk encoding needs causal convolutions (a model built with "
-                             "model.causal_conv: true)")
+        chunk_size and left_chunks, on the frames so far. Eval mode, causal convolutions. The B
+        rows advance together (the same frames so far); streams that do not: `forward_chunks`."""
+        self._check_streaming(chunk_size)
         buffer = torch.cat([state.feats, feats], dim=1)
         pending, offset, layers = state.pending, state.offset, state.layers
         made = conv_output_length(buffer.size(1), self.subsampling.rate)
@@ -269,6 +277,107 @@ class StreamingEncoder(nn.Module):
             out.append(self.norm(x))
         h = torch.cat(out, dim=1) if out else pending.new_zeros(pending.size(0), 0, self.d_model)
         return h, EncoderState(buffer, pending, offset, layers)
+
+    def forward_chunks(self, feats: Sequence[torch.Tensor], states: Sequence[EncoderState], *, chunk_size: int,
+                       left_chunks: int = -1,
+                       final: Sequence[bool] | None = None) -> tuple[list[torch.Tensor], list[EncoderState]]:
+        """`forward_chunk` of several streams at once: stream i has its own state states[i] (of
+        one row, `init_state(1)`'s), new features feats[i] (1, F_i, n_mels) and `final[i]`
+        (default: none final); its output (1, n_i, d) and next state are those forward_chunk
+        gives it alone (to rounding), whatever its neighbours.
+
+        The subsampling runs once over all the buffers (padded on the right: an output frame sees
+        only its own window); the transformer's absolute positions are added per stream, from its
+        own offset. Then, while any stream has a chunk ready, one batched step encodes one chunk
+        of each such stream (`_chunk_step`): their attention caches padded on the left to the
+        longest (at most left_chunks x chunk_size frames) under a key mask, the last partial chunks
+        of final streams padded on the right. All streams share chunk_size and left_chunks."""
+        self._check_streaming(chunk_size)
+        if len(feats) != len(states) or any(state.feats.size(0) != 1 for state in states):
+            raise ValueError("forward_chunks takes one state of one row (init_state(1)) per stream's features")
+        final = list(final) if final is not None else [False] * len(states)
+        buffers = [torch.cat([state.feats, f], dim=1) for state, f in zip(states, feats)]
+        pending, offsets = self._subsample(buffers, states)
+        rate = self.subsampling.rate
+        made = [offset - state.offset for offset, state in zip(offsets, states)]
+        buffers = [buffer[:, n * rate:] for buffer, n in zip(buffers, made)]
+        caches = [state.layers for state in states]
+        left = left_chunks * chunk_size if left_chunks >= 0 else -1
+        out: list[list[torch.Tensor]] = [[] for _ in states]
+        while rows := [i for i, p in enumerate(pending) if p.size(1) >= chunk_size or (final[i] and p.size(1) > 0)]:
+            chunks = [pending[i][:, :chunk_size] for i in rows]
+            h, new = self._chunk_step(chunks, [caches[i] for i in rows], left)
+            for i, h_i, cache in zip(rows, h, new):
+                pending[i], caches[i] = pending[i][:, chunk_size:], cache
+                out[i].append(h_i)
+        outputs = [torch.cat(o, dim=1) if o else p.new_zeros(1, 0, self.d_model) for o, p in zip(out, pending)]
+        return outputs, [EncoderState(*parts) for parts in zip(buffers, pending, offsets, caches)]
+
+    def frames_waiting(self, state: EncoderState, new_feats: int = 0) -> int:
+        """The subsampled frames that wait for their chunk once `new_feats` more feature frames have
+        joined `state`: the pending ones and those the subsampling will make (a chunk of C is
+        encoded when C wait)."""
+        return state.pending.size(1) + conv_output_length(state.feats.size(1) + new_feats, self.subsampling.rate)
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether chunk-by-chunk encoding applies: every convolution is causal (or there is none)."""
+        return all(getattr(getattr(layer, "conv", None), "causal", True) for layer in self.layers)
+
+    def _check_streaming(self, chunk_size: int) -> None:
+        if self.training:
+            raise ValueError("forward_chunk runs in eval mode (no dropout)")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 for chunk-by-chunk encoding, got {chunk_size}")
+        if not self.can_stream:
+            raise ValueError("chunk-by-chunk encoding needs causal convolutions (a model built with "
+                             "model.causal_conv: true)")
+
+    def _subsample(self, buffers: list[torch.Tensor],
+                   states: Sequence[EncoderState]) -> tuple[list[torch.Tensor], list[int]]:
+        """Each stream's pending frames (1, P_i, d) once the subsampling has made what its buffer
+        (1, F_i, n_mels) allows, and its new offset: one conv over the buffers padded on the right."""
+        rate = self.subsampling.rate
+        made = [conv_output_length(buffer.size(1), rate) for buffer in buffers]
+        pending, offsets = [state.pending for state in states], [state.offset for state in states]
+        rows = [i for i, n in enumerate(made) if n > 0]
+        if not rows:
+            return pending, offsets
+        longest = max(buffers[i].size(1) for i in rows)
+        frames = self.subsampling.frames(torch.cat([F.pad(buffers[i], (0, 0, 0, longest - buffers[i].size(1)))
+                                                    for i in rows]))  # (R, T', d)
+        for row, i in enumerate(rows):
+            pending[i] = torch.cat([pending[i], self._embed(frames[row:row + 1, :made[i]], offsets[i])], dim=1)
+            offsets[i] += made[i]
+        return pending, offsets
+
+    def _chunk_step(self, chunks: list[torch.Tensor], caches: list[tuple[LayerCache, ...]],
+                    left: int) -> tuple[list[torch.Tensor], list[tuple[LayerCache, ...]]]:
+        """One chunk of each of R streams, chunks[r] (1, c_r, d), through the layers as one batch:
+        their outputs (1, c_r, d) and new caches (each row's own, its last `left` frames).
+
+        Shapes: C = max c_r; L = the longest cache; row r's cache of L_r frames sits at the end of
+        L (left padding), its chunk at the start of C (right padding); keys (R, L + C), valid on
+        L - L_r .. L + c_r - 1. Left padding keeps each row's distances between queries and keys,
+        so the conformer's relative positions hold."""
+        sizes, held = [chunk.size(1) for chunk in chunks], [cache[0].kv.size(1) for cache in caches]  # c_r, L_r
+        c, n = max(sizes), max(held)
+        lengths = torch.tensor(sizes, device=chunks[0].device)  # (R,)
+        cached = torch.tensor(held, device=lengths.device)  # (R,)
+        x = torch.cat([F.pad(chunk, (0, 0, 0, c - chunk.size(1))) for chunk in chunks])  # (R, C, d)
+        keys = torch.arange(n + c, device=x.device)
+        mask = ((keys >= n - cached[:, None]) & (keys < n + lengths[:, None]))[:, None, None]  # (R, 1, 1, L + C)
+        new: list[list[LayerCache]] = [[] for _ in chunks]
+        for j, layer in enumerate(self.layers):
+            kv = torch.cat([F.pad(cache[j].kv, (0, 0, 0, 0, 0, 0, n - cache[j].kv.size(1), 0)) for cache in caches])
+            conv = torch.cat([cache[j].conv for cache in caches])
+            # position 0: unused (each row's absolute positions are in x already, from its own offset)
+            x, step = layer.forward_chunk(x, LayerCache(kv, conv), -1, 0, mask=mask, lengths=lengths)
+            for r, row in enumerate(new):  # (L + C) keys and values -> the row's own, valid ones
+                kept = step.kv[r:r + 1, n - held[r]:n + sizes[r]]
+                row.append(LayerCache(keep_last(kept, left), step.conv[r:r + 1]))
+        h = self.norm(x)
+        return [h[r:r + 1, :sizes[r]] for r in range(len(chunks))], [tuple(row) for row in new]
 
 
 class TransformerEncoder(StreamingEncoder):
