@@ -12,9 +12,14 @@
                            name this server, 503 with Retry-After when busy. Every error is
                            {"error": "<one line naming the upload>"}.
     GET  /api/health       {"status": "ok", "queued", "requests", "batches", "largest_batch", what is
-                           held now (connections, uploads, temporary bytes), "limits"}
+                           held now (connections, uploads, temporary bytes), "limits", "streaming":
+                           {"available" (or "reason" why not), "open", "chunk_seconds", ...}}
+    GET  /stream           a WebSocket: 16 kHz PCM in, partial and final results out as JSON, the
+                           chunks of all open streams encoded together (asr.serve_stream, which
+                           documents the protocol; tools/stream_client.py is a client)
     GET  /                 the web page (asr/web/): upload a file or record the microphone, see the
-                           words with their times, click one to play the audio from there.
+                           words with their times, click one to play the audio from there; or
+                           "Live": the microphone streamed, words grey while partial, black once final.
 
 Built on aiohttp: one asyncio loop reads uploads and answers while a single worker thread decodes.
 Requests that arrive together are decoded together: the worker takes what is waiting (up to
@@ -36,6 +41,9 @@ end). The Host
 header must name this server (loopback names, the bound address, `allowed_hosts`) and a request
 another site's page makes (Origin, Sec-Fetch-Site) is refused unless `allow_origins` names it:
 a web page cannot use a server on this machine by DNS rebinding or a cross-site form post.
+The WebSocket (which CORS does not cover) passes the same checks before its upgrade; what a stream
+may hold is bounded too (max_streams, max_stream_seconds, a heartbeat, a receive timeout, a message
+size, and audio waiting for the encoder: asr.serve_stream).
 """
 from __future__ import annotations
 
@@ -62,12 +70,14 @@ import torch
 from asr.api import Recognizer, Result
 from asr.audio import SAMPLE_RATE, AudioError, audio_info, iter_blocks
 from asr.formats import result_dict
+from asr.serve_stream import StreamHub
 
 __all__ = ["ServeOptions", "Server", "UploadError", "run", "sniff_audio", "clean_name"]
 
 log = logging.getLogger(__name__)
 WEB = Path(__file__).resolve().parent / "web"
-PAGES = {"/": ("index.html", "text/html"), "/recorder.js": ("recorder.js", "text/javascript")}
+PAGES = {"/": ("index.html", "text/html"), "/recorder.js": ("recorder.js", "text/javascript"),
+         "/live.js": ("live.js", "text/javascript")}
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("", "0.0.0.0", "::")
 BACKLOG = 128  # connections the kernel queues before they are accepted
@@ -97,6 +107,19 @@ class ServeOptions:
     give_way_s: float = 2.0  # when full, an upload that sent no 64 kB for this long is closed for a new one (0: never)
     allowed_hosts: tuple[str, ...] = ()  # Host names beside the loopback ones and the bound address; "*": any
     allow_origins: tuple[str, ...] = ()  # other sites' origins ("https://app.example") whose pages may call; "*": any
+    # streaming (GET /stream, asr.serve_stream)
+    max_streams: int = 16  # WebSocket streams open at once; one more is told busy (1013)
+    max_stream_seconds: float = 600.0  # seconds of audio one stream may send (and of the wall clock, with
+    # stream_receive_timeout_s more, that it may stay open before its end)
+    stream_chunk_size: int = 16  # encoder frames per chunk (a client may ask for 1 to 64)
+    stream_left_chunks: int = -1  # chunks of left context a chunk attends to; -1: all (the attention cache then
+    # grows with the stream, up to max_stream_seconds)
+    stream_endpoint_silence: float = 0.5  # seconds of silence after words that make a final; 0: only at the end
+    stream_max_segment: float = 30.0  # seconds after which a segment is made final; 0: no limit
+    stream_ahead_s: float = 10.0  # audio of a stream waiting for the encoder past which its socket is not read
+    stream_receive_timeout_s: float = 10.0  # a stream that sends nothing for this long (before its end) is closed
+    heartbeat_s: float = 20.0  # a ping after this long without data; closed without a pong in half of it (0: none)
+    max_message_kb: float = 64.0  # the largest WebSocket message (2 s of 16 kHz int16)
 
     def __post_init__(self) -> None:
         if not (self.max_upload_mb > 0 and self.max_seconds > 0 and self.max_temp_mb > 0):
@@ -109,6 +132,14 @@ class ServeOptions:
             raise ValueError("serve: the timeouts must be positive")
         if not self.give_way_s >= 0:
             raise ValueError("serve: give_way_s must be at least 0")
+        if self.max_streams < 1 or not 1 <= self.stream_chunk_size <= 64 or self.stream_left_chunks < -1:
+            raise ValueError("serve: max_streams must be at least 1, stream_chunk_size from 1 to 64, "
+                             "stream_left_chunks at least -1")
+        if not (self.max_stream_seconds > 0 and self.stream_ahead_s > 0 and self.stream_receive_timeout_s > 0
+                and self.max_message_kb > 0):
+            raise ValueError("serve: the stream limits must be positive")
+        if not (self.stream_endpoint_silence >= 0 and self.stream_max_segment >= 0 and self.heartbeat_s >= 0):
+            raise ValueError("serve: stream_endpoint_silence, stream_max_segment and heartbeat_s must be at least 0")
         object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().rstrip(".") for h in self.allowed_hosts))
         object.__setattr__(self, "allow_origins", tuple(o.strip().lower().rstrip("/") for o in self.allow_origins))
 
@@ -414,12 +445,14 @@ class _Job:
 
 
 class Server:
-    """The aiohttp application around a Recognizer (`app()`), its queue and its decoding worker;
-    `listen()` opens the socket with the connection cap."""
+    """The aiohttp application around a Recognizer (`app()`), its queue and its decoding worker,
+    and the WebSocket streams (`streams`: asr.serve_stream.StreamHub, whose steps run on the same
+    decoding thread); `listen()` opens the socket with the connection cap."""
 
     def __init__(self, recognizer: Recognizer, options: ServeOptions | None = None, host: str = "127.0.0.1") -> None:
         self.recognizer, self.options = recognizer, options or ServeOptions()
         self.queue: asyncio.Queue[_Job] | None = None  # made in the loop that serves
+        self._worker_task: asyncio.Task | None = None  # the decoding worker, in that loop
         self.stats = {"requests": 0, "batches": 0, "largest_batch": 0, "left": 0, "skipped": 0, "gave_way": 0}
         self.gate = _Gate(host, self.options)
         grace = min(GRACE_S, self.options.idle_timeout_s / 2)
@@ -434,6 +467,7 @@ class Server:
         self._reader = ThreadPoolExecutor(2, thread_name_prefix="asr-read")  # uploads to waveforms
         self._uploads = tempfile.TemporaryDirectory(prefix="asr-serve-")
         self._pages = {route: (WEB / name).read_bytes() for route, (name, _) in PAGES.items()}  # read once
+        self.streams = StreamHub(recognizer, self.options, self._decoder)
 
     def app(self) -> Any:
         from aiohttp import web
@@ -441,10 +475,12 @@ class Server:
         app = web.Application(client_max_size=self.options.max_bytes + FORM_SLACK, middlewares=[self._middleware()])
         app.router.add_post("/api/transcribe", self.handle_transcribe, expect_handler=self._expect)
         app.router.add_get("/api/health", self.handle_health)
+        app.router.add_get("/stream", self.streams.handle)
         for route in PAGES:
             app.router.add_get(route, self.handle_page)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
+        app.on_startup.extend([self._start, self.streams.start])
+        app.on_shutdown.append(self.streams.shutdown)
+        app.on_cleanup.extend([self.streams.stop, self._stop])
         return app
 
     def runner_settings(self) -> dict[str, Any]:
@@ -458,10 +494,10 @@ class Server:
 
     async def _start(self, app: Any) -> None:
         self.queue = asyncio.Queue(self.options.queue_size)
-        app["asr.worker"] = asyncio.create_task(self._worker())
+        self._worker_task = asyncio.create_task(self._worker())
 
     async def _stop(self, app: Any) -> None:
-        app["asr.worker"].cancel()
+        self._worker_task.cancel()
         self._decoder.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self._uploads.cleanup()
@@ -495,7 +531,7 @@ class Server:
                 response = _error(500, "internal server error (logged)")
             finally:
                 self.connections.busy.discard(protocol)
-            if origin is not None:
+            if origin is not None and not response.prepared:  # (a WebSocket's headers are sent)
                 response.headers["Access-Control-Allow-Origin"] = origin
                 response.headers["Vary"] = "Origin"
             return response
@@ -535,7 +571,8 @@ class Server:
                                   "queued_audio_s": round(self._queued_audio, 3),
                                   "connections": len(self.connections.open), "evicted": self.connections.evicted,
                                   "refused_connections": self.connections.refused, "receiving": len(self._slots),
-                                  "temp_bytes": self._held(), "limits": self.options.limits()})
+                                  "temp_bytes": self._held(), "limits": self.options.limits(),
+                                  "streaming": self.streams.health()})
 
     async def handle_transcribe(self, request: Any) -> Any:
         from aiohttp import web

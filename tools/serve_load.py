@@ -14,6 +14,26 @@ cycle: about --bad-fraction of them bad: truncated, empty, not audio, too long) 
 have passed. A good request must come back 200 with the text it had alone, a bad one 4xx with a
 JSON error; anything else is an error and the exit status is 1. A 503 (queue full) is counted
 and the request sent again after its Retry-After.
+
+    python tools/serve_load.py --model exp/stream/model_avg.pt --manifest data/dev.jsonl --streams 1,4,16,32
+
+--streams N[,N...] tests the WebSocket instead (GET /stream, a model that can stream): for each
+N, N clients stream the good files one after another through tools/stream_client.py, each in
+real time (a 100 ms frame once the wall clock has passed its end, as a microphone sends it),
+until --seconds have passed (a file begun is streamed to its end). Every file is first streamed
+alone, as fast as the server takes it: its final text is the one expected under load (a
+difference is counted, not an error: batched steps equal lone ones only to rounding). Per N:
+  - chunk compute p50 / p90: the seconds of the batched encoder step behind each result (the
+    "compute" the server sends); the streams are held in real time when its p90 is under a
+    chunk's duration, and the most streams held so is printed;
+  - queued p90 / max: the audio received by the server and not yet covered by a result, per
+    result (the server's "queued"; a chunk's duration and the subsampling's look-ahead of it
+    are inherent, more is audio waiting for the decoding thread);
+  - final latency p50 / p90: when a final came, minus when the audio up to its end had been sent;
+    a final at an endpoint ends after stream_endpoint_silence seconds of silence, which its end
+    includes, so this is the latency past the endpoint silence;
+  - mean step: streams per batched step (the server's /api/health).
+A stream that fails (an error message, a close without "done") is an error: exit status 1.
 """
 from __future__ import annotations
 
@@ -31,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
+from stream_client import Session, read_pcm16, stream  # tools/stream_client.py
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -165,6 +186,129 @@ def summarize(clients: int, seconds: float, answers: list[Answer], before: dict,
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# streams (--streams)
+
+
+@dataclass
+class Speech:
+    name: str
+    pcm: bytes  # 16 kHz int16
+    expected: str = ""  # the final text streamed alone
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) / 32000
+
+
+def final_text(session: Session) -> str:
+    return " ".join(m["text"] for _, m in session.messages if m.get("type") == "final" and m["text"])
+
+
+def stream_failure(name: str, session: Session) -> str:
+    """"" for a stream that ended with "done", else what went wrong."""
+    errors = [m["error"] for _, m in session.messages if m.get("type") == "error"]
+    if errors:
+        return f"{name}: error: {errors[0]}"
+    return "" if session.done else f"{name}: closed without \"done\" ({session.close_code})"
+
+
+async def stream_baseline(url: str, speeches: list[Speech]) -> None:
+    """Each file streamed alone, as fast as the server takes it: its final text."""
+    for speech in speeches:
+        session = await stream(url, speech.pcm)
+        if failure := stream_failure(speech.name, session):
+            raise SystemExit(f"serve_load: {failure} (streamed alone)")
+        speech.expected = final_text(session)
+
+
+async def stream_load(url: str, speeches: list[Speech], streams: int, seconds: float) -> list[tuple[Speech, Session]]:
+    """`streams` clients, each streaming the files in real time one after another (client i
+    from file i on) until `seconds` have passed."""
+    import aiohttp
+
+    deadline = time.perf_counter() + seconds
+    done: list[tuple[Speech, Session]] = []
+
+    async def client(i: int) -> None:
+        while time.perf_counter() < deadline:
+            speech = speeches[i % len(speeches)]
+            i += 1
+            try:
+                session = await stream(url, speech.pcm, realtime=True)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                session = Session()
+                session.messages.append((time.perf_counter(), {"type": "error", "error": f"{type(e).__name__}: {e}"}))
+            done.append((speech, session))
+
+    await asyncio.gather(*(client(i) for i in range(streams)))
+    return done
+
+
+def summarize_streams(streams: int, seconds: float, done: list[tuple[Speech, Session]], chunk_seconds: float,
+                      before: dict, after: dict) -> dict:
+    compute, queued, latency = [], [], []
+    for _, session in done:
+        for at, m in session.messages:
+            if m.get("type") in ("partial", "final"):
+                compute.append(m["compute"])
+                queued.append(m["queued"])
+            if m.get("type") == "final":
+                latency.append(at - session.sent_at(m["end"]))
+    failures = [f for f in (stream_failure(speech.name, session) for speech, session in done) if f]
+    differ = sum(not stream_failure(speech.name, session) and final_text(session) != speech.expected
+                 for speech, session in done)
+    steps = after["streaming"]["steps"] - before["streaming"]["steps"]
+    stepped = after["streaming"]["stepped"] - before["streaming"]["stepped"]
+    p90 = percentile(compute, 90)
+    return {
+        "streams": streams, "seconds": round(seconds, 1), "sessions": len(done), "errors": len(failures),
+        "differ": differ, "audio_s": round(sum(speech.seconds for speech, _ in done), 1),
+        "chunk_ms": round(1000 * chunk_seconds), "compute_p50_ms": round(1000 * percentile(compute, 50), 1),
+        "compute_p90_ms": round(1000 * p90, 1), "real_time": bool(compute) and p90 < chunk_seconds,
+        "queued_p90_s": round(percentile(queued, 90), 3), "queued_max_s": round(max(queued, default=0.0), 3),
+        "final_p50_ms": round(1000 * percentile(latency, 50)), "final_p90_ms": round(1000 * percentile(latency, 90)),
+        "mean_step": round(stepped / steps, 2) if steps else 0.0,
+        "error_examples": failures[:5],
+    }
+
+
+def print_stream_table(rows: list[dict]) -> None:
+    head = ["streams", "sessions", "errors", "differ", "chunk ms", "compute p50 ms", "compute p90 ms", "real time",
+            "queued p90 s", "queued max s", "final p50 ms", "final p90 ms", "mean step"]
+    keys = ["streams", "sessions", "errors", "differ", "chunk_ms", "compute_p50_ms", "compute_p90_ms", "real_time",
+            "queued_p90_s", "queued_max_s", "final_p50_ms", "final_p90_ms", "mean_step"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(("yes" if row[k] else "no") if k == "real_time" else str(row[k]) for k in keys) + " |")
+    held = [row["streams"] for row in rows if row["real_time"] and not row["errors"]]
+    tried = ", ".join(str(row["streams"]) for row in rows)
+    print(f"most streams held in real time: {max(held) if held else 'none'} (of {tried})")
+
+
+def run_streams(url: str, args: argparse.Namespace, info: dict) -> tuple[list[dict], dict]:
+    if not info.get("streaming", {}).get("available"):
+        reason = info.get("streaming", {}).get("reason", "no streaming endpoint")
+        raise SystemExit(f"serve_load: {url} cannot stream: {reason}")
+    ws_url = "ws" + url[len("http"):] + "/stream"
+    speeches = [Speech(p.name, read_pcm16(str(p))) for p in good_files(args)]
+    asyncio.run(stream_baseline(ws_url, speeches))
+    chunk_seconds = info["streaming"]["chunk_seconds"]
+    print(f"server {url}: {len(speeches)} files ({sum(s.seconds for s in speeches):.1f} s of audio), chunks of "
+          f"{1000 * chunk_seconds:.0f} ms, endpoint silence {info['streaming']['endpoint_silence']:g} s")
+    rows = []
+    for n in [int(c) for c in args.streams.split(",")]:
+        before = asyncio.run(health(url))
+        start = time.perf_counter()
+        done = asyncio.run(stream_load(ws_url, speeches, n, args.seconds))
+        rows.append(summarize_streams(n, time.perf_counter() - start, done, chunk_seconds, before,
+                                      asyncio.run(health(url))))
+        print(f"  {n} streams: {rows[-1]['sessions']} files streamed, {rows[-1]['errors']} errors", flush=True)
+    return rows, {"url": url, "limits": info["limits"], "streaming": info["streaming"], "files": len(speeches),
+                  "audio_seconds": round(sum(s.seconds for s in speeches), 2)}
+
+
 def print_table(rows: list[dict]) -> None:
     head = ["clients", "requests", "good", "bad", "errors", "503s", "req/s", "audio s/s", "p50 ms", "p90 ms",
             "p99 ms", "mean batch"]
@@ -208,6 +352,33 @@ def good_files(args: argparse.Namespace) -> list[Path]:
     return paths
 
 
+def run_uploads(url: str, args: argparse.Namespace, info: dict) -> tuple[list[dict], dict]:
+    goods = [Upload(p.name, p.read_bytes(), True) for p in good_files(args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        bads = bad_uploads(goods[0], info["limits"]["max_seconds"], int(info["limits"]["max_upload_mb"] * 2**20),
+                           Path(tmp))
+    alone = asyncio.run(baseline(url, goods))
+    every = max(1, round((1 - args.bad_fraction) / args.bad_fraction)) if args.bad_fraction > 0 else 0
+    cycle, bad_index = [], 0
+    for i, upload in enumerate(goods * len(bads)):  # the good files in order, a bad one after every `every`
+        cycle.append(upload)
+        if every and i % every == every - 1:
+            cycle.append(bads[bad_index % len(bads)])
+            bad_index += 1
+    print(f"server {url}: {len(goods)} good files ({sum(u.seconds for u in goods):.1f} s of audio), "
+          f"{len(bads)} kinds of bad file; alone: median {1000 * statistics.median(alone):.0f} ms per file")
+    rows = []
+    for clients in [int(c) for c in args.clients.split(",")]:
+        before = asyncio.run(health(url))
+        start = time.perf_counter()
+        answers = asyncio.run(load(url, cycle, clients, args.seconds))
+        rows.append(summarize(clients, time.perf_counter() - start, answers, before, asyncio.run(health(url))))
+        print(f"  {clients} clients: {rows[-1]['requests']} requests, {rows[-1]['errors']} errors", flush=True)
+    return rows, {"url": url, "limits": info["limits"], "good_files": len(goods),
+                  "good_audio_seconds": round(sum(u.seconds for u in goods), 2),
+                  "alone_median_ms": round(1000 * statistics.median(alone))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -217,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-files", type=int, default=32)
     parser.add_argument("--audio", nargs="+", help="good files (instead of --manifest)")
     parser.add_argument("--clients", default="1,4,16", help="client counts, one run each (default 1,4,16)")
+    parser.add_argument("--streams", metavar="N[,N...]", help="test the WebSocket instead: N concurrent real-time "
+                        "streams, one run each")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each run (default 30)")
     parser.add_argument("--bad-fraction", type=float, default=0.2, help="share of bad files sent (default 0.2)")
     parser.add_argument("--threads", type=int, help="the server's --threads")
@@ -224,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue-size", type=int, default=16, help="the server's --queue-size (default 16)")
     parser.add_argument("--max-seconds", type=float, default=30.0, help="the server's --max-seconds (default 30)")
     parser.add_argument("--beam-size", type=int, help="the server's --beam-size")
-    parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--out", "--json", dest="out", help="write the results as JSON")
     args = parser.parse_args(argv)
 
     process = None
@@ -237,40 +410,25 @@ def main(argv: list[str] | None = None) -> int:
         process, url = start_server(args)
     try:
         info = asyncio.run(health(url))
-        goods = [Upload(p.name, p.read_bytes(), True) for p in good_files(args)]
-        with tempfile.TemporaryDirectory() as tmp:
-            bads = bad_uploads(goods[0], info["limits"]["max_seconds"], int(info["limits"]["max_upload_mb"] * 2**20),
-                               Path(tmp))
-        alone = asyncio.run(baseline(url, goods))
-        every = max(1, round((1 - args.bad_fraction) / args.bad_fraction)) if args.bad_fraction > 0 else 0
-        cycle, bad_index = [], 0
-        for i, upload in enumerate(goods * len(bads)):  # the good files in order, a bad one after every `every`
-            cycle.append(upload)
-            if every and i % every == every - 1:
-                cycle.append(bads[bad_index % len(bads)])
-                bad_index += 1
-        print(f"server {url}: {len(goods)} good files ({sum(u.seconds for u in goods):.1f} s of audio), "
-              f"{len(bads)} kinds of bad file; alone: median {1000 * statistics.median(alone):.0f} ms per file")
-        rows = []
-        for clients in [int(c) for c in args.clients.split(",")]:
-            before = asyncio.run(health(url))
-            start = time.perf_counter()
-            answers = asyncio.run(load(url, cycle, clients, args.seconds))
-            rows.append(summarize(clients, time.perf_counter() - start, answers, before, asyncio.run(health(url))))
-            print(f"  {clients} clients: {rows[-1]['requests']} requests, {rows[-1]['errors']} errors", flush=True)
+        if args.streams:
+            rows, result = run_streams(url, args, info)
+        else:
+            rows, result = run_uploads(url, args, info)
     finally:
         if process is not None:
             process.terminate()
             process.wait(timeout=30)
-    print_table(rows)
+    if args.streams:
+        print_stream_table(rows)
+        key = "streams"
+    else:
+        print_table(rows)
+        key = "clients"
     for row in rows:
         for example in row["error_examples"]:
-            print(f"error ({row['clients']} clients): {example}")
+            print(f"error ({row[key]} {key}): {example}")
     if args.out:
-        result = {"url": url, "limits": info["limits"], "good_files": len(goods),
-                  "good_audio_seconds": round(sum(u.seconds for u in goods), 2),
-                  "alone_median_ms": round(1000 * statistics.median(alone)), "runs": rows}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({**result, "runs": rows}, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 1 if any(row["errors"] for row in rows) else 0
 
