@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asr.decoding import DecodingConfig
+    from asr.serve import ServeOptions
 
 # the search modes and precisions (asr.search.MODES, asr.decoding.PRECISIONS, whose modules import
 # torch: `asr --help` does not wait for it)
@@ -309,15 +310,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("asr serve needs aiohttp: pip install -e '.[serve]'")
     from asr.api import load_model
     from asr.decoding import thread_policy
-    from asr.serve import ServeOptions, run
+    from asr.serve import run
 
-    options = ServeOptions(max_upload_mb=args.max_upload_mb, max_seconds=args.max_seconds,
-                           queue_size=args.queue_size, batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms,
-                           max_uploads=args.max_uploads, max_temp_mb=args.max_temp_mb,
-                           max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-                           read_timeout_s=args.read_timeout, upload_timeout_s=args.upload_timeout,
-                           give_way_s=args.give_way,
-                           allowed_hosts=tuple(args.allowed_host), allow_origins=tuple(args.allow_origin))
+    options = serve_options(args)
     config = _decoding_config(args, args.overrides)
     recognizer = load_model(args.model, device=config.device, options=config.decoding_options(),
                             search_threads=thread_policy(args.threads))  # decided once, for every request
@@ -327,6 +322,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     run(recognizer, args.host, args.port, options, announce=lambda line: print(line, flush=True))
     return 0
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """`asr serve`'s flags as asr.serve.ServeOptions."""
+    from asr.serve import ServeOptions
+
+    return ServeOptions(max_upload_mb=args.max_upload_mb, max_seconds=args.max_seconds, queue_size=args.queue_size,
+                        batch_size=args.batch_size, batch_wait_ms=args.batch_wait_ms, max_uploads=args.max_uploads,
+                        max_temp_mb=args.max_temp_mb, max_connections=args.max_connections,
+                        idle_timeout_s=args.idle_timeout, read_timeout_s=args.read_timeout,
+                        upload_timeout_s=args.upload_timeout, give_way_s=args.give_way,
+                        allowed_hosts=tuple(args.allowed_host), allow_origins=tuple(args.allow_origin),
+                        max_streams=args.max_streams, max_stream_seconds=args.max_stream_seconds,
+                        stream_chunk_size=args.stream_chunk_size, stream_left_chunks=args.stream_left_chunks,
+                        stream_endpoint_silence=args.stream_endpoint_silence,
+                        stream_max_segment=args.stream_max_segment,
+                        stream_receive_timeout_s=args.stream_receive_timeout, heartbeat_s=args.heartbeat)
 
 
 def binding_note(host: str, port: int, allowed_hosts: list[str]) -> str | None:
@@ -663,6 +675,26 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="another site whose pages may call the API, e.g. https://app.example (repeat for more; "
                    "'*': any)")
+    g = p.add_argument_group("streaming (GET /stream)", "a model built with model.causal_conv streams: the chunks of "
+                             "all open streams are encoded together")
+    g.add_argument("--chunk-size", dest="stream_chunk_size", type=_positive, default=16, metavar="N",
+                   help="encoder frames per chunk, 1 to 64; a client may ask for another (default 16)")
+    g.add_argument("--left-chunks", dest="stream_left_chunks", type=int, default=-1, metavar="L",
+                   help="chunks of left context a chunk attends to (default -1: all, the cache growing with the "
+                   "stream up to --max-stream-seconds)")
+    g.add_argument("--endpoint-silence", dest="stream_endpoint_silence", type=float, default=0.5, metavar="S",
+                   help="seconds of silence after words that make a final (default 0.5; 0: only at the end)")
+    g.add_argument("--max-segment", dest="stream_max_segment", type=float, default=30.0, metavar="S",
+                   help="seconds after which a segment is made final (default 30; 0: no limit)")
+    g.add_argument("--max-streams", type=_positive, default=16, metavar="N",
+                   help="streams open at once; one more is told busy (default 16)")
+    g.add_argument("--max-stream-seconds", type=float, default=600.0, metavar="S",
+                   help="audio one stream may send, and (plus the receive timeout) how long it may stay open "
+                   "(default 600)")
+    g.add_argument("--stream-receive-timeout", type=float, default=10.0, metavar="S",
+                   help="a stream that sends nothing for S seconds before its end is closed (default 10)")
+    g.add_argument("--heartbeat", type=float, default=20.0, metavar="S",
+                   help="a ping after S seconds without data, closed without a pong (default 20; 0: none)")
     add_decoding_flags(p)
     p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
                    help="any field of asr.decoding.DecodingConfig, after --config")

@@ -325,3 +325,18 @@ def test_partials_overwrite_one_line_on_a_terminal():
     assert _event_lines(events, "x.wav", tty=True) == ("\r\x1b[Kpartial x.wav: a\r\x1b[Kpartial x.wav: ab"
                                                       "\r\x1b[Kfinal x.wav: abc\n")
     assert _event_lines(events, "x.wav", tty=False) == "partial x.wav: a\npartial x.wav: ab\nfinal x.wav: abc\n"
+
+
+def test_serve_flags_are_the_serve_options():
+    """`asr serve`'s defaults are ServeOptions' and each streaming flag reaches its field."""
+    from asr.cli import build_parser, serve_options
+    from asr.serve import ServeOptions
+
+    parse = build_parser().parse_args
+    assert serve_options(parse(["serve", "--model", "m.pt"])) == ServeOptions()
+    given = serve_options(parse(["serve", "--model", "m.pt", "--chunk-size", "8", "--left-chunks", "4",
+                                 "--endpoint-silence", "0.3", "--max-segment", "12", "--max-streams", "3",
+                                 "--max-stream-seconds", "60", "--stream-receive-timeout", "5", "--heartbeat", "0"]))
+    assert given == ServeOptions(stream_chunk_size=8, stream_left_chunks=4, stream_endpoint_silence=0.3,
+                                 stream_max_segment=12.0, max_streams=3, max_stream_seconds=60.0,
+                                 stream_receive_timeout_s=5.0, heartbeat_s=0.0)
