@@ -4,7 +4,7 @@ variant and seed, decode its three dev sets, print mean and spread, write JSON.
     python tools/choose_on_dev.py --variant base= \\
         --variant warp=data.augment.warp.prob=0.5 --seeds 0 1 2 --json exp/choice_warp.json
 
-Each variant is NAME=OVERRIDES (section.key=value, comma-separated; empty for the recipe as
+Each variant is "NAME=OVERRIDES" (section.key=value, separated by spaces; empty for the recipe as
 shipped). For each variant and seed: recipes/synth/run.sh stages 3-4 (training and checkpoint
 averaging, `training.seed=SEED` and the overrides) into recipes/synth/exp/choice_NAME_sSEED, then
 `asr decode` of dev (unseen accents), dev_near (training accents, unseen voice variants) and
@@ -34,7 +34,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, rest = text.partition("=")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise argparse.ArgumentTypeError(f"variant name {name!r}: letters, digits, '_', '.', '-' only")
-    overrides = [o for o in rest.split(",") if o]
+    overrides = rest.split()
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise argparse.ArgumentTypeError(f"variant {name}: {bad[0]!r} is not section.key=value")
@@ -84,7 +84,7 @@ def summary(values: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", action="append", type=parse_variant, required=True, metavar="NAME=K=V,K=V",
+    p.add_argument("--variant", action="append", type=parse_variant, required=True, metavar="'NAME=K=V K=V'",
                    help="a setting to compare (repeat); NAME= alone: the recipe as shipped")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training.seed values (default 0 1 2)")
     p.add_argument("--data-dir", type=Path, default=RECIPE / "data", help="the recipe's data (stages 0-2)")

@@ -110,12 +110,13 @@ run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_
   synthesize
 # the tokenizer the config asks for (kind and size, after the overrides), named after them, and
 # its mel bins (for the CMVN statistics)
-read -r kind vocab n_mels < <(python -c '
+read -r kind vocab n_mels on_waves < <(python -c '
 import sys
 from asr.train_setup import load_experiment_config
 c = load_experiment_config(sys.argv[1], sys.argv[2:])
 t = c.tokenizer
-print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels)' "$config" "${overrides[@]}") || true
+print(t.kind, t.vocab_size if t.kind != "char" else "-", c.data.features.n_mels, int(c.data.augment.on_waves))' \
+  "$config" "${overrides[@]}") || true
 [ -n "${kind:-}" ] || { echo "run.sh: cannot read the tokenizer section of $config" >&2; exit 1; }
 lang=$data/lang_$kind; size_args=()
 [ "$vocab" = - ] || { lang=$lang$vocab; size_args=(--vocab-size "$vocab"); }
@@ -136,6 +137,9 @@ run_stage 1 "tokenizer ($kind${size_args:+ $vocab}), the training words and a wo
 # training instead of decoding FLAC and computing fbank every epoch, which took a quarter of a step
 run_stage 2 "CMVN statistics and training features ($n_mels mel bins)" \
   asr cmvn --manifest "$data/train.jsonl" --n-mels "$n_mels" --out "$data/cmvn.json" --dump-feats "$data/feats_train"
+# training reads stage 2's features, unless data.augment adds noise or reverberation: those change
+# the waveform, so the features are then computed from the audio every epoch (slower)
+feats_args=(--feats "$data/feats_train"); [ "${on_waves:-0}" = 1 ] && feats_args=()
 train() {  # --nproc processes (the config's batch is per process), the cores shared between them
   local n=$nproc cores threads
   [ -n "$n" ] || n=$(python -c 'import torch; print(1 if torch.cuda.is_available() else 2)')
@@ -144,7 +148,7 @@ train() {  # --nproc processes (the config's batch is per process), the cores sh
   echo "training with $n process(es) x $threads thread(s)"
   torchrun --standalone --nnodes 1 --nproc-per-node "$n" -m asr.cli train --config "$config" \
     --train "$data/train.jsonl" --valid "$data/dev.jsonl" --exp-dir "$exp" --tokenizer "$lang" \
-    --cmvn "$data/cmvn.json" --feats "$data/feats_train" training.num_threads="$threads" "${overrides[@]}"
+    --cmvn "$data/cmvn.json" "${feats_args[@]}" training.num_threads="$threads" "${overrides[@]}"
 }
 run_stage 3 "train $(basename "$config")" train
 # the last 5 checkpoints (every 200 steps): with the earlier 3-epoch schedule, dev WER 18.1% against
