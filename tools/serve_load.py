@@ -328,6 +328,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         command += ["--threads", str(args.threads)]
     if args.beam_size:
         command += ["--beam-size", str(args.beam_size)]
+    if args.streams:  # room for the largest run: the test is of the server's step, not of its limit
+        command += ["--max-streams", str(max(int(c) for c in args.streams.split(",")))]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = process.stdout.readline()
     if not line.startswith("serving on "):
