@@ -220,15 +220,17 @@ class Recognizer:
 
     def stream(self, chunk_size: int = 16, left_chunks: int = -1, *, endpoint_silence: float = 0.0,
                max_segment: float = 0.0, beam_size: int | None = None, ctc_weight: float | None = None,
-               length_bonus: float | None = None) -> Stream:
+               length_bonus: float | None = None, final: str | None = None) -> Stream:
         """A Stream (asr.streaming) of this recognizer's model, tokenizer, features and CMVN, which
         encodes chunks of `chunk_size` encoder frames attending to `left_chunks` chunks before
         (-1: all) and ends segments after `endpoint_silence` seconds of trailing blanks or
-        `max_segment` seconds (0: off). beam_size, ctc_weight and length_bonus default to this
-        recognizer's decoding options (its mode, lexicon, LM and int8 do not apply: a stream
-        rescores CTC prefixes, ctc_rescore). With endpointing off, a stream's final text is that of
-        `transcribe` with mode ctc_rescore and decoding chunk_size / left_chunks set, on one
-        segment. ValueError for an exported model or a model whose convolutions see the future."""
+        `max_segment` seconds (0: off). beam_size, ctc_weight, length_bonus and the length caps
+        are this recognizer's decoding options unless given, and so is how a segment's final text
+        is searched (`final`: "rescore" when its mode is ctc_rescore, else "attention", the joint
+        beam search; its lexicon, LM and int8 do not apply). With endpointing off, a stream's
+        final text is that of `transcribe` in that mode with decoding chunk_size / left_chunks set,
+        on one segment. ValueError for an exported model or a model whose convolutions see the
+        future."""
         if not isinstance(self.model, ASRModel):
             raise ValueError("streaming needs a PyTorch model file: an exported (ONNX) model encodes whole utterances")
         if not self.model.encoder.can_stream:
@@ -239,7 +241,9 @@ class Recognizer:
             chunk_size=chunk_size, left_chunks=left_chunks, endpoint_silence=endpoint_silence, max_segment=max_segment,
             beam_size=o.beam_size if beam_size is None else beam_size,
             ctc_weight=o.ctc_weight if ctc_weight is None else ctc_weight,
-            length_bonus=o.length_bonus if length_bonus is None else length_bonus)
+            length_bonus=o.length_bonus if length_bonus is None else length_bonus,
+            final=final or ("rescore" if o.mode == "ctc_rescore" else "attention"), max_len_ratio=o.max_len_ratio,
+            max_rate_factor=o.max_rate_factor, pre_beam_ratio=o.pre_beam_ratio)
         return Stream(self.model, self.tokenizer, self.features, self.cmvn, options)
 
     def feats(self, wave: torch.Tensor) -> torch.Tensor:

@@ -253,7 +253,7 @@ def _check_streaming_flags(args: argparse.Namespace, config: DecodingConfig) -> 
                                      ("--lm", config.lm), ("--int8", config.int8)) if on]
     if refused:
         verb = "does" if len(refused) == 1 else "do"
-        raise ValueError(f"--streaming rescores CTC prefixes (ctc_rescore): {', '.join(refused)} {verb} not apply")
+        raise ValueError(f"--streaming: {', '.join(refused)} {verb} not apply to a stream")
 
 
 def _stream_files(recognizer, audio: list[str], raw, args: argparse.Namespace) -> list:
@@ -622,8 +622,9 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw-channels", type=int, default=1, metavar="N", help="channels of raw input (default 1)")
     g = p.add_argument_group("streaming", "--streaming: each file is fed in 0.1 s pieces to a streaming "
                              "recognizer (a model with model.causal_conv), as if live; partial results go to stderr "
-                             "as they come, the transcripts to stdout (or --output-dir) in --format. The search is "
-                             "CTC prefix beam search rescored by the decoder (ctc_rescore, --beam-size, --ctc-weight)")
+                             "as they come, the transcripts to stdout (or --output-dir) in --format. Partials come "
+                             "from CTC prefix beam search; each final from --mode's search over its segment "
+                             "(attention: the joint beam search; ctc_rescore: the prefixes rescored by the decoder)")
     g.add_argument("--streaming", action="store_true", help="recognize each file chunk by chunk as it arrives")
     g.add_argument("--chunk-size", dest="stream_chunk_size", type=_positive, metavar="N",
                    help="encoder frames per chunk (default 16: 640 ms at 4x subsampling)")

@@ -294,13 +294,13 @@ def test_long_audio_gives_timed_segments(talking):
     assert result.text == " ".join(s.text for s in result.segments if s.text)
 
 
-@pytest.mark.parametrize("chunk,left", [(4, -1), (6, 1)])
-def test_streaming_a_file_gives_the_final_text_of_a_chunked_ctc_rescore_transcribe(tmp_path, chunk, left):
+@pytest.mark.parametrize("chunk,left,mode", [(4, -1, "ctc_rescore"), (6, 1, "ctc_rescore"), (4, -1, "attention"),
+                                             (6, 1, "attention")])
+def test_streaming_a_file_gives_the_final_text_of_a_chunked_transcribe(tmp_path, chunk, left, mode):
     """Recognizer.stream, a file's samples fed in random pieces, endpointing off: the final text is
-    transcribe's of the same file with decoding chunk_size / left_chunks and mode ctc_rescore (one
-    segment, no length cap), and partials come before it."""
-    options = asr.decoding.DecodingOptions(mode="ctc_rescore", beam_size=4, ctc_weight=0.5, max_rate_factor=0.0,
-                                           chunk_size=chunk, left_chunks=left)
+    transcribe's of the same file with decoding chunk_size / left_chunks in the recognizer's mode
+    (one segment), and partials come before it."""
+    options = asr.decoding.DecodingOptions(mode=mode, beam_size=4, ctc_weight=0.5, chunk_size=chunk, left_chunks=left)
     recognizer = load_model(write_model_file(tmp_path / "model.pt", eos_bias=0.0, streaming=True), options=options)
     wave = speechlike(2.6, 5)
     sf.write(tmp_path / "a.wav", wave, 16000)
@@ -310,6 +310,7 @@ def test_streaming_a_file_gives_the_final_text_of_a_chunked_ctc_rescore_transcri
     samples, _ = sf.read(tmp_path / "a.wav", dtype="float32")
     stream, events, start, rng = recognizer.stream(chunk, left), [], 0, random.Random(chunk)
     assert stream.options.beam_size == 4 and stream.options.ctc_weight == 0.5
+    assert stream.options.final == ("rescore" if mode == "ctc_rescore" else "attention")
     while start < len(samples):
         size = rng.randint(1, 5000)
         events += stream.accept_waveform(samples[start:start + size])

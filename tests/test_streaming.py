@@ -252,23 +252,27 @@ def recognizer_parts(kind: str = "conformer"):
     return model, tokenizer, features, cmvn
 
 
+@pytest.mark.parametrize("final", ["attention", "rescore"])
 @pytest.mark.parametrize("chunk,left", [(4, -1), (8, 1)])
-def test_streaming_final_text_equals_offline_decode_of_the_same_model(chunk, left):
-    """Endpointing and length caps off, one utterance fed in random pieces: the final text is the
-    non-streaming ctc_rescore decode of the same model under the same chunk mask (float64), and
-    the partial results along the way are prefixes the search held."""
+def test_streaming_final_text_equals_offline_decode_of_the_same_model(chunk, left, final):
+    """Endpointing and length-rate caps off, one utterance fed in random pieces: the final text is
+    the non-streaming decode of the same model under the same chunk mask (float64) in the final's
+    mode (attention: the joint beam search; rescore: ctc_rescore), and the partial results along
+    the way are prefixes the CTC search held."""
     from asr.features import fbank
-    from asr.search import SearchOptions, ctc_rescore
+    from asr.search import SearchOptions, decode_memory
     from asr.streaming import Stream, StreamingOptions
 
     model, tokenizer, features, cmvn = recognizer_parts()
     wave = spoken(3.1, 1)
-    options = StreamingOptions(chunk_size=chunk, left_chunks=left, beam_size=4, ctc_weight=0.5)
+    options = StreamingOptions(chunk_size=chunk, left_chunks=left, beam_size=4, ctc_weight=0.5, final=final,
+                               max_rate_factor=0.0)
+    mode = "attention" if final == "attention" else "ctc_rescore"
     with torch.no_grad():
         feats = cmvn(fbank(wave, features)).double()[None]
         memory, lens = model.encoder(feats, torch.tensor([feats.size(1)]), chunk_size=chunk, left_chunks=left)
-        expected = ctc_rescore(model, memory, lens, SearchOptions(mode="ctc_rescore", beam_size=4, ctc_weight=0.5,
-                                                                  max_len_ratio=1.0, max_rate_factor=0.0))[0][0]
+        expected = decode_memory(model, memory, lens, SearchOptions(mode=mode, beam_size=4, ctc_weight=0.5,
+                                                                    max_len_ratio=1.0, max_rate_factor=0.0))[0][0]
     assert len(expected.tokens) > 3
     rng = random.Random(0)
     stream, events, start = Stream(model, tokenizer, features, cmvn, options), [], 0

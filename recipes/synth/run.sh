@@ -21,11 +21,10 @@
 #                                    dev_synth open vocabulary (--extra-dev-decodes all: all three)
 #   6 results table (each dev set and test, per accent), the accents' distances, a transcription
 # --streaming trains a streaming model (model.causal_conv and U2's dynamic chunk training:
-# model.dynamic_chunk) and stage 5 also decodes dev and test open vocabulary as it streams (CTC
-# prefix beam search rescored by the decoder: decoding.mode ctc_rescore) at full context and at
-# chunks of 16, 8 and 4 encoder frames (1.28, 0.64 and 0.32 s at 8x subsampling) with all the left
-# context: decode_{dev,test}_open_chunk<N> (chunk0: full context); `asr transcribe --streaming`
-# streams such a model.
+# model.dynamic_chunk) and stage 5 also decodes dev and test open vocabulary as it streams (the
+# encoder in chunks; the joint CTC/attention beam search over them, as a stream's finals are made)
+# at chunks of 16, 8 and 4 encoder frames (1.28, 0.64 and 0.32 s at 8x subsampling) with all the
+# left context: decode_{dev,test}_open_chunk<N>; `asr transcribe --streaming` streams such a model.
 # Training runs --nproc processes (default 2 on a CPU, 1 with a GPU) through torchrun, each with
 # its share of the cores: on 2 cores, 2 single-thread processes trained the earlier 2.7M model at
 # ~175 audio-seconds per second against ~130 for one process with 2 threads (the same 40 s steps;
@@ -183,10 +182,10 @@ decode() {
     then+=(--then "$exp/decode_${set}_lexicon" "$data/$set.jsonl" "$exp/decode_$set")
   done
   if [ -n "$streaming" ]; then  # as the model streams: chunked attention, every left chunk
-    for chunk in 0 16 8 4; do
+    for chunk in 16 8 4; do
       for set in dev test; do
         asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open_chunk$chunk" \
-          --config "$conf" --beam-size 10 --mode ctc_rescore decoding.chunk_size=$chunk
+          --config "$conf" --beam-size 10 decoding.chunk_size=$chunk
       done
     done
   fi
