@@ -218,24 +218,22 @@ class Recognizer:
         for start, wave in segment_audio(_blocks(item, raw, segmentation.block_seconds, warn), segmentation):
             yield start, wave.numel(), self.feats(wave) if has_speech(wave, segmentation.speech_db) else None
 
-    def stream(self, chunk_size: int = 16, left_chunks: int = -1, *, endpoint_silence: float = 0.0,
+    def stream(self, chunk_size: int | None = None, left_chunks: int | None = None, *, endpoint_silence: float = 0.0,
                max_segment: float = 0.0, beam_size: int | None = None, ctc_weight: float | None = None,
                length_bonus: float | None = None, final: str | None = None) -> Stream:
         """A Stream (asr.streaming) of this recognizer's model, tokenizer, features and CMVN, which
         encodes chunks of `chunk_size` encoder frames attending to `left_chunks` chunks before
-        (-1: all) and ends segments after `endpoint_silence` seconds of trailing blanks or
+        (-1: all; defaults 16 and -1, and for an exported model those it was exported with, the
+        only ones it takes) and ends segments after `endpoint_silence` seconds of trailing blanks or
         `max_segment` seconds (0: off). beam_size, ctc_weight, length_bonus and the length caps
         are this recognizer's decoding options unless given, and so is how a segment's final text
         is searched (`final`: "rescore" when its mode is ctc_rescore, else "attention", the joint
         beam search; its lexicon, LM and int8 do not apply). With endpointing off, a stream's
         final text is that of `transcribe` in that mode with decoding chunk_size / left_chunks set,
-        on one segment. ValueError for an exported model or a model whose convolutions see the
-        future."""
-        if not isinstance(self.model, ASRModel):
-            raise ValueError("streaming needs a PyTorch model file: an exported (ONNX) model encodes whole utterances")
-        if not self.model.encoder.can_stream:
-            raise ValueError("streaming needs a model built with model.causal_conv: true (this one's convolutions "
-                             "see future frames)")
+        on one segment. ValueError for a model whose convolutions see the future, an export
+        without the streaming graphs (`asr export --streaming`), or chunk options an export does
+        not have."""
+        chunk_size, left_chunks = self._chunk_options(chunk_size, left_chunks)
         o = self.options
         options = StreamingOptions(
             chunk_size=chunk_size, left_chunks=left_chunks, endpoint_silence=endpoint_silence, max_segment=max_segment,
@@ -245,6 +243,27 @@ class Recognizer:
             final=final or ("rescore" if o.mode == "ctc_rescore" else "attention"), max_len_ratio=o.max_len_ratio,
             max_rate_factor=o.max_rate_factor, pre_beam_ratio=o.pre_beam_ratio)
         return Stream(self.model, self.tokenizer, self.features, self.cmvn, options)
+
+    def _chunk_options(self, chunk_size: int | None, left_chunks: int | None) -> tuple[int, int]:
+        """`stream`'s chunk_size and left_chunks with their defaults, or ValueError (one line) when
+        this model cannot stream with them."""
+        if isinstance(self.model, ASRModel):
+            if not self.model.encoder.can_stream:
+                raise ValueError("streaming needs a model built with model.causal_conv: true (this one's "
+                                 "convolutions see future frames)")
+            return 16 if chunk_size is None else chunk_size, -1 if left_chunks is None else left_chunks
+        from asr.onnx_model import OnnxModel
+
+        if not isinstance(self.model, OnnxModel) or not self.model.encoder.can_stream:
+            raise ValueError("this exported model encodes whole utterances: export it with asr export --streaming "
+                             "--chunk-size N --left-chunks L to stream")
+        fixed = self.model.encoder.stream  # (asr.onnx_model.StreamShape)
+        wanted = (fixed.chunk_size if chunk_size is None else chunk_size,
+                  fixed.left_chunks if left_chunks is None else left_chunks)
+        if wanted != tuple(fixed):
+            raise ValueError(f"this exported model streams chunks of {fixed.chunk_size} encoder frames with "
+                             f"{fixed.left_chunks} left chunks (fixed by asr export), not {wanted[0]} and {wanted[1]}")
+        return wanted
 
     def feats(self, wave: torch.Tensor) -> torch.Tensor:
         """(T,) 16 kHz waveform -> (frames, n_mels) normalized features on the device (frames =

@@ -265,8 +265,7 @@ def _stream_files(recognizer, audio: list[str], raw, args: argparse.Namespace) -
 
     tty, results = sys.stderr.isatty(), []
     for path in audio:
-        stream = recognizer.stream(16 if args.stream_chunk_size is None else args.stream_chunk_size,
-                                   -1 if args.stream_left_chunks is None else args.stream_left_chunks,
+        stream = recognizer.stream(args.stream_chunk_size, args.stream_left_chunks,  # None: the model's own
                                    endpoint_silence=args.endpoint_silence or 0.0, max_segment=args.max_segment or 0.0)
         name, samples, warnings = shown_path(path), 0, []
         blocks = iter_blocks(path, block_seconds=STREAM_PIECE_SECONDS, raw=raw, on_truncated=warnings.append)
@@ -376,7 +375,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         for name in ("", "torch.onnx"):  # torch's loggers have their own level
             logging.getLogger(name).setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", module="torch.onnx")
-    print(export_model(args.model, args.out, int8=args.int8))
+    given = [flag for flag, value in (("--chunk-size", args.chunk_size), ("--left-chunks", args.left_chunks))
+             if value is not None]
+    if given and not args.streaming:
+        raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --streaming")
+    chunk_size = (args.chunk_size or 16) if args.streaming else 0
+    print(export_model(args.model, args.out, int8=args.int8, chunk_size=chunk_size, left_chunks=args.left_chunks))
     return 0
 
 
@@ -710,6 +714,14 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--int8", action="store_true",
                    help="also int8 graphs (onnxruntime's dynamic quantization), used when decoding with --int8")
+    p.add_argument("--streaming", action="store_true",
+                   help="also the streaming encoder's graphs (Recognizer.stream, transcribe --streaming) for "
+                   "--chunk-size and --left-chunks, fixed in them; a model built with model.causal_conv: true")
+    p.add_argument("--chunk-size", type=_positive, metavar="N",
+                   help="with --streaming: encoder frames per chunk (default 16: 640 ms at 4x subsampling)")
+    p.add_argument("--left-chunks", type=int, metavar="L",
+                   help="with --streaming (required): chunks of left context each chunk attends to, >= 0 (the "
+                   "attention cache is a graph input of a fixed size: all, -1, cannot be exported)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("wer", help="word and character error rates of HYP against REF")

@@ -12,6 +12,14 @@ graph that returned the cache one position longer copied all of it at every step
 x beam 320 cost more than the graph saved. `select` moves the rows a step's selection changed,
 over the filled positions.
 
+An export with the streaming graphs (`asr export --streaming`: export.json's "streaming" names them
+and the chunk_size and left_chunks they were made for) streams too: `encoder` is then an
+OnnxStreamingEncoder, with the chunk-by-chunk calls of asr.model's StreamingEncoder that
+asr.streaming's Stream and advance make (init_state, frames_waiting, forward_chunks), so a Stream
+runs on either model. The host keeps each stream's leftover features, offset and caches (of the
+fixed sizes the chunk graph takes, padded on the left); each round of `forward_chunks` is one call
+of the subsample graph and one of the chunk graph per chunk, over all the streams advanced together.
+
 Tensors cross to onnxruntime as numpy arrays on the CPU without copies where they are contiguous.
 Each graph gets its own session with `threads` intra-op threads (SessionOptions; no process-wide
 setting) and sequential execution.
@@ -43,23 +51,26 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from asr.checkpoint import CheckpointError
 from asr.features import FeatureConfig, GlobalCMVN
-from asr.model import ModelConfig, right_context
+from asr.model import ModelConfig, conv_output_length, right_context
 from asr.model_parts import read_parts, usable
 from asr.tokenizer import JSON_FILE, Tokenizer, load_tokenizer
 
-__all__ = ["EXPORT_FILE", "EXPORT_FORMAT", "EXPORT_VERSION", "GRAPHS", "OPERATORS", "Exported", "GraphValue",
-           "OnnxCache", "OnnxModel", "check_graph", "graph_io", "load_exported", "read_graph", "require_extra",
-           "tokenizer_fingerprint"]
+__all__ = ["EXPORT_FILE", "EXPORT_FORMAT", "EXPORT_VERSION", "GRAPHS", "OPERATORS", "STREAM_GRAPHS", "Exported",
+           "GraphValue", "OnnxCache", "OnnxModel", "OnnxStreamState", "StreamShape", "check_graph", "graph_io",
+           "load_exported", "read_graph", "require_extra", "stream_shape", "tokenizer_fingerprint"]
 
 EXPORT_FILE = "export.json"
 EXPORT_FORMAT = "asr-onnx"
 EXPORT_VERSION = 2  # 2: decoder_step reads a cache buffer and returns the new position only
 GRAPHS = ("encoder", "ctc", "decoder_init", "decoder_step")
+STREAM_GRAPHS = ("stream_subsample", "stream_chunk")  # an export's streaming encoder, when it has one
 EXTRA = "pip install -e '.[export]'"
 FIRST_CAPACITY = 16  # steps an OnnxCache's buffer holds at first
+MAX_STREAM_FRAMES = 4096  # the most frames a streaming graph's chunk attends to (chunk and cache): 164 s at 40 ms
 # The operators (default ONNX domain) of the graphs asr export writes, float32 and int8 (onnxruntime's
 # dynamic quantization), transformer and conformer encoders (tests/test_fast_cpu.py exports them), and
 # a few elementwise ones an exporter may choose instead; none makes a tensor of a size given by a
@@ -122,7 +133,10 @@ class _Graph:
 
 class OnnxEncoder:
     """(feats (B, T, n_mels), feat_lens (B,)) -> (memory (B, T', d), memory_lens (B,)), as the
-    model's encoder; T at least `min_frames` frames (the graph's smallest input)."""
+    model's encoder; T at least `min_frames` frames (the graph's smallest input). Whole utterances
+    only (an export with the streaming graphs has an OnnxStreamingEncoder)."""
+
+    can_stream = False
 
     def __init__(self, graph: _Graph, config: ModelConfig) -> None:
         self.graph = graph
@@ -131,6 +145,107 @@ class OnnxEncoder:
     def __call__(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memory, memory_lens = self.graph(feats.float(), feat_lens.long())
         return memory, memory_lens
+
+
+class OnnxStreamState(NamedTuple):
+    """A stream's state between calls of OnnxStreamingEncoder.forward_chunks (`init_state` makes the
+    first): asr.model.encoder.EncoderState's, with the caches in the chunk graph's fixed sizes."""
+
+    feats: torch.Tensor  # (1, F, n_mels): feature frames the subsampling has not consumed yet
+    pending: torch.Tensor  # (1, P, d): subsampled, embedded frames waiting for their chunk to fill
+    offset: int  # subsampled frames made so far (their positions)
+    kv: torch.Tensor  # (layers, 1, L, 2, H, dh): each layer's keys and values of the frames before, the
+    # last cache_len of them valid (the rest is never attended to)
+    conv: torch.Tensor  # (layers, 1, k - 1, d): each layer's causal convolution's last inputs
+    cache_len: int
+
+
+class OnnxStreamingEncoder(OnnxEncoder):
+    """The exported encoder, and chunk by chunk on the streaming graphs (asr.export with chunk_size):
+    StreamingEncoder's `init_state`, `frames_waiting` and `forward_chunks` (what asr.streaming's
+    Stream and advance call), for the export's chunk_size and left_chunks only. The host keeps
+    each stream's leftover features, pending frames, offset and caches; a round encodes one chunk
+    of every ready stream in one call of the chunk graph (a final partial chunk padded to
+    chunk_size, `chunk_len` saying how much is valid), as StreamingEncoder._chunk_step does."""
+
+    can_stream = True
+
+    def __init__(self, graph: _Graph, subsample: _Graph, chunk: _Graph, config: ModelConfig,
+                 stream: StreamShape) -> None:
+        super().__init__(graph, config)
+        self.subsample, self.chunk, self.stream = subsample, chunk, stream
+        self.rate, self.n_mels, self.d_model = config.subsampling, config.n_mels, config.d_model
+        self._cache = (config.encoder_layers, stream.cache_frames, 2, config.n_heads, config.d_model // config.n_heads)
+        self._conv = (config.encoder_layers, max(config.conv_kernel - 1, 0), config.d_model)
+
+    def init_state(self, batch: int = 1, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> OnnxStreamState:
+        """The state of one stream before its first chunk (float32 on the CPU, as the graphs run)."""
+        if batch != 1 or dtype != torch.float32 or torch.device(device or "cpu").type != "cpu":
+            raise ValueError("an exported stream's state is one row of float32 on the CPU")
+        layers, *cache = self._cache
+        return OnnxStreamState(torch.zeros(1, 0, self.n_mels), torch.zeros(1, 0, self.d_model), 0,
+                               torch.zeros(layers, 1, *cache), torch.zeros(self._conv[0], 1, *self._conv[1:]), 0)
+
+    def frames_waiting(self, state: OnnxStreamState, new_feats: int = 0) -> int:
+        """As StreamingEncoder.frames_waiting: the pending frames and those the subsampling will make."""
+        return state.pending.size(1) + conv_output_length(state.feats.size(1) + new_feats, self.rate)
+
+    def forward_chunks(self, feats: Sequence[torch.Tensor], states: Sequence[OnnxStreamState], *, chunk_size: int,
+                       left_chunks: int = -1,
+                       final: Sequence[bool] | None = None) -> tuple[list[torch.Tensor], list[OnnxStreamState]]:
+        """StreamingEncoder.forward_chunks on the graphs: stream i's new features feats[i] (1, F_i,
+        n_mels) after states[i] -> its output (1, n_i, d) and next state. ValueError unless
+        chunk_size and left_chunks are the export's."""
+        if (chunk_size, left_chunks) != tuple(self.stream):
+            raise ValueError(f"this export streams chunks of {self.stream.chunk_size} frames with "
+                             f"{self.stream.left_chunks} left chunks (fixed when exported), not {chunk_size} and "
+                             f"{left_chunks}")
+        if len(feats) != len(states) or any(f.size(0) != 1 for f in feats):
+            raise ValueError("forward_chunks takes one state per stream's features (1, F, n_mels)")
+        final = list(final) if final is not None else [False] * len(states)
+        buffers = [torch.cat([state.feats, f.float()], dim=1) for state, f in zip(states, feats)]
+        pending, offsets = self._subsample(buffers, states)
+        buffers = [b[:, (o - s.offset) * self.rate:] for b, o, s in zip(buffers, offsets, states)]
+        caches = [(s.kv, s.conv, s.cache_len) for s in states]
+        out: list[list[torch.Tensor]] = [[] for _ in states]
+        c = chunk_size
+        while rows := [i for i, p in enumerate(pending) if p.size(1) >= c or (final[i] and p.size(1) > 0)]:
+            h, new = self._chunk_step([pending[i][:, :c] for i in rows], [caches[i] for i in rows])
+            for i, h_i, cache in zip(rows, h, new):
+                pending[i], caches[i] = pending[i][:, c:], cache
+                out[i].append(h_i)
+        outputs = [torch.cat(o, dim=1) if o else p.new_zeros(1, 0, self.d_model) for o, p in zip(out, pending)]
+        return outputs, [OnnxStreamState(b, p, o, *cache) for b, p, o, cache in zip(buffers, pending, offsets, caches)]
+
+    def _subsample(self, buffers: list[torch.Tensor],
+                   states: Sequence[OnnxStreamState]) -> tuple[list[torch.Tensor], list[int]]:
+        """Each stream's pending frames once the subsampling has made what its buffer allows, and its
+        new offset: one call of the subsample graph over the buffers padded on the right."""
+        made = [conv_output_length(b.size(1), self.rate) for b in buffers]
+        pending, offsets = [s.pending for s in states], [s.offset for s in states]
+        rows = [i for i, n in enumerate(made) if n > 0]
+        if not rows:
+            return pending, offsets
+        longest = max(buffers[i].size(1) for i in rows)
+        padded = torch.cat([F.pad(buffers[i], (0, 0, 0, longest - buffers[i].size(1))) for i in rows])
+        (x,) = self.subsample(padded, torch.tensor([offsets[i] for i in rows]))  # (R, T', d)
+        for row, i in enumerate(rows):
+            pending[i] = torch.cat([pending[i], x[row:row + 1, :made[i]]], dim=1)
+            offsets[i] += made[i]
+        return pending, offsets
+
+    def _chunk_step(self, chunks: list[torch.Tensor], caches: list[tuple[torch.Tensor, torch.Tensor, int]]
+                    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor, int]]]:
+        """One chunk of each of R streams, chunks[r] (1, c_r, d), through the chunk graph as one
+        batch (padded to chunk_size on the right): their outputs (1, c_r, d) and new caches."""
+        sizes = [chunk.size(1) for chunk in chunks]
+        x = torch.cat([F.pad(chunk, (0, 0, 0, self.stream.chunk_size - n)) for chunk, n in zip(chunks, sizes)])
+        kv, conv, held = zip(*caches)
+        h, kv, conv, held = self.chunk(x, torch.cat(kv, dim=1), torch.cat(conv, dim=1), torch.tensor(held),
+                                       torch.tensor(sizes))
+        return ([h[r:r + 1, :n] for r, n in enumerate(sizes)],
+                list(zip(kv.split(1, dim=1), conv.split(1, dim=1), held.tolist())))
 
 
 @dataclass(eq=False)
@@ -234,21 +349,23 @@ class OnnxDecoder:
 
 class OnnxModel:
     """An exported model's graphs in onnxruntime, read as asr.search reads an ASRModel (module
-    docstring). CPU only. `graphs`: the float32 graphs by name (asr.export.GRAPHS), loaded now;
-    `int8_graphs`: the int8 ones ({} when the export has none), loaded by `int8_model`."""
+    docstring). CPU only. `graphs`: the float32 graphs by name (GRAPHS, and STREAM_GRAPHS with
+    `stream`: then `encoder` streams too, OnnxStreamingEncoder), loaded now; `int8_graphs`: the int8
+    ones ({} when the export has none), loaded by `int8_model` (which does not stream)."""
 
     def __init__(self, folder: Path, config: ModelConfig, graphs: dict[str, str], int8_graphs: dict[str, str], *,
-                 threads: int, int8: bool = False) -> None:
+                 threads: int, int8: bool = False, stream: StreamShape | None = None) -> None:
         self.folder, self.config, self.threads, self.int8 = folder, config, threads, int8
         self.int8_graphs = int8_graphs
         self._int8: OnnxModel | None = None
         self.device = torch.device("cpu")
         checked = {}  # every graph read and checked before onnxruntime sees any
-        for name in GRAPHS:
+        for name in (*GRAPHS, *(STREAM_GRAPHS if stream else ())):
             checked[name] = read_graph(folder / graphs[name])
-            check_graph(checked[name], folder / graphs[name], name, config)
+            check_graph(checked[name], folder / graphs[name], name, config, stream)
         loaded = {name: _Graph(folder / graphs[name], data, threads) for name, data in checked.items()}
-        self.encoder = OnnxEncoder(loaded["encoder"], config)
+        self.encoder = (OnnxStreamingEncoder(loaded["encoder"], loaded["stream_subsample"], loaded["stream_chunk"],
+                                             config, stream) if stream else OnnxEncoder(loaded["encoder"], config))
         self.ctc = loaded["ctc"]
         self.decoder = OnnxDecoder(loaded["decoder_init"], loaded["decoder_step"], config)
         self.vocab_size = self.decoder.graph.output_shapes[0][-1]  # the exported output layer's V
@@ -357,15 +474,19 @@ def load_exported(path: str | os.PathLike, *, int8: bool = False, threads: int |
         graphs, int8_graphs = dict(meta["graphs"]), dict(meta.get("int8_graphs") or {})
         if not {"fingerprint", "vocab_size"} <= set(meta["tokenizer"]):
             raise ValueError("the tokenizer's fingerprint or vocab_size is missing")
-    for key, files in (("graphs", graphs), ("int8_graphs", int8_graphs)):
-        _check_graph_names(files, key, source, required=key == "graphs" or bool(files))
+        stream, stream_graphs = _streaming(meta.get("streaming"))
+    for key, files, names, required in (("graphs", graphs, GRAPHS, True),
+                                        ("int8_graphs", int8_graphs, GRAPHS, bool(int8_graphs)),
+                                        ("streaming.graphs", stream_graphs, STREAM_GRAPHS, stream is not None)):
+        _check_graph_names(files, key, source, names, required=required)
     parts = read_parts(meta, source, what="export description", tokenizer=_tokenizer(folder, meta))
     if int8 and not int8_graphs:
         raise CheckpointError(f"{folder}: no int8 graphs (export with --int8 for decoding.int8)")
     if parts.config.vocab_size != parts.tokenizer.vocab_size:  # (the graphs are checked to output the config's)
         raise CheckpointError(f"{folder / JSON_FILE}: {parts.tokenizer.vocab_size} tokens, the exported graphs output "
                               f"{parts.config.vocab_size}")
-    model = OnnxModel(folder, parts.config, graphs, int8_graphs, threads=threads or torch.get_num_threads())
+    model = OnnxModel(folder, parts.config, {**graphs, **stream_graphs}, int8_graphs,
+                      threads=threads or torch.get_num_threads(), stream=stream)
     return Exported(model, parts.tokenizer, parts.features, parts.cmvn)
 
 
@@ -373,11 +494,20 @@ def load_exported(path: str | os.PathLike, *, int8: bool = False, threads: int |
 # what a graph may be
 
 
-def _check_graph_names(files: Any, key: str, source: str, *, required: bool) -> None:
-    """export.json's `key` ({graph: file}): every graph of GRAPHS named by a plain file name in the
+def _streaming(entry: Any) -> tuple[StreamShape | None, dict[str, str]]:
+    """export.json's "streaming" ({"chunk_size", "left_chunks", "graphs"}, absent when the export does
+    not stream): the graphs' sizes and files; ValueError (usable() makes it one line) when malformed."""
+    if entry is None:
+        return None, {}
+    return stream_shape(entry["chunk_size"], entry["left_chunks"]), dict(entry["graphs"])
+
+
+def _check_graph_names(files: Any, key: str, source: str, names: tuple[str, ...] = GRAPHS, *,
+                       required: bool) -> None:
+    """export.json's `key` ({graph: file}): every graph of `names` named by a plain file name in the
     folder (no path, so nothing outside the folder is ever opened)."""
-    if not isinstance(files, dict) or (required and set(files) != set(GRAPHS)):
-        raise CheckpointError(f"{source}: '{key}' must name the files of the graphs {', '.join(GRAPHS)}")
+    if not isinstance(files, dict) or (required and set(files) != set(names)):
+        raise CheckpointError(f"{source}: '{key}' must name the files of the graphs {', '.join(names)}")
     for name, file in files.items():
         if (not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..")
                 or "\0" in file or not file.endswith(".onnx")):
@@ -404,11 +534,40 @@ class GraphValue(NamedTuple):
     dims: tuple[int | None, ...]
 
 
-def graph_io(name: str, config: ModelConfig) -> tuple[tuple[GraphValue, ...], tuple[GraphValue, ...]]:
-    """(inputs, outputs) of the graph `name` of an export of `config`: the contract asr.export writes
-    (its module docstring) and load_exported checks."""
+class StreamShape(NamedTuple):
+    """The sizes an export's streaming graphs are fixed to: chunks of `chunk_size` encoder frames,
+    each attending to the `left_chunks` (>= 0) chunks before."""
+
+    chunk_size: int
+    left_chunks: int
+
+    @property
+    def cache_frames(self) -> int:
+        """L: the frames a stream's attention cache holds."""
+        return self.chunk_size * self.left_chunks
+
+
+def stream_shape(chunk_size: Any, left_chunks: Any) -> StreamShape:
+    """StreamShape(chunk_size, left_chunks), or ValueError (one line) unless they are ints >= 1 and
+    >= 0 whose chunk and cache together hold at most MAX_STREAM_FRAMES frames (an export folder's
+    sizes are untrusted: they size each stream's state)."""
+    if type(chunk_size) is not int or type(left_chunks) is not int or chunk_size < 1 or left_chunks < 0:
+        raise ValueError(f"streaming: chunk_size must be an int >= 1 and left_chunks an int >= 0, got {chunk_size!r} "
+                         f"and {left_chunks!r}")
+    if chunk_size * (left_chunks + 1) > MAX_STREAM_FRAMES:
+        raise ValueError(f"streaming: a chunk of {chunk_size} frames with {left_chunks} left chunks attends to more "
+                         f"than {MAX_STREAM_FRAMES} frames")
+    return StreamShape(chunk_size, left_chunks)
+
+
+def graph_io(name: str, config: ModelConfig,
+             stream: StreamShape | None = None) -> tuple[tuple[GraphValue, ...], tuple[GraphValue, ...]]:
+    """(inputs, outputs) of the graph `name` of an export of `config` (a streaming graph's: of
+    `stream`'s sizes): the contract asr.export writes (its module docstring) and load_exported checks."""
     d, h, layers, v = config.d_model, config.n_heads, config.decoder_layers, config.vocab_size
     dh = d // h
+    if name in STREAM_GRAPHS:
+        return _stream_io(name, config, stream)
     memory, memory_lens = GraphValue("memory", _FLOAT, (None, None, d)), GraphValue("memory_lens", _INT64, (None,))
     memory_mask = GraphValue("memory_mask", _FLOAT, (None, 1, 1, None))
     if name == "encoder":
@@ -429,10 +588,30 @@ def graph_io(name: str, config: ModelConfig) -> tuple[tuple[GraphValue, ...], tu
                     GraphValue("new_kv", _FLOAT, (layers, 2, None, None, h, dh)))
 
 
-def check_graph(data: bytes, path: Path, name: str, config: ModelConfig) -> None:
+def _stream_io(name: str, config: ModelConfig,
+               stream: StreamShape | None) -> tuple[tuple[GraphValue, ...], tuple[GraphValue, ...]]:
+    """graph_io of the streaming graphs: stream_subsample (feats, offset) -> x; stream_chunk (x, kv_cache,
+    conv_cache, cache_len, chunk_len) -> (h, new_kv_cache, new_conv_cache, new_cache_len)."""
+    if stream is None:
+        raise ValueError(f"the {name} graph's sizes need the export's chunk_size and left_chunks")
+    d, h, layers = config.d_model, config.n_heads, config.encoder_layers
+    conv = max(config.conv_kernel - 1, 0)  # a layer's convolution cache (none without a convolution)
+    if name == "stream_subsample":
+        return ((GraphValue("feats", _FLOAT, (None, None, config.n_mels)), GraphValue("offset", _INT64, (None,))),
+                (GraphValue("x", _FLOAT, (None, None, d)),))
+    chunk, cache = (None, stream.chunk_size, d), stream.cache_frames
+    state = [(f"{prefix}{part}", dims) for prefix in ("", "new_") for part, dims in (
+        ("kv_cache", (layers, None, cache, 2, h, d // h)), ("conv_cache", (layers, None, conv, d)))]
+    kv, conv_cache, new_kv, new_conv = (GraphValue(n, _FLOAT, dims) for n, dims in state)
+    return ((GraphValue("x", _FLOAT, chunk), kv, conv_cache, GraphValue("cache_len", _INT64, (None,)),
+             GraphValue("chunk_len", _INT64, (None,))),
+            (GraphValue("h", _FLOAT, chunk), new_kv, new_conv, GraphValue("new_cache_len", _INT64, (None,))))
+
+
+def check_graph(data: bytes, path: Path, name: str, config: ModelConfig, stream: StreamShape | None = None) -> None:
     """CheckpointError "path: ..." (one line) unless `data` is a graph asr export writes as graph
-    `name` of a model of `config` (the module docstring says what that allows), checked without
-    running anything of it."""
+    `name` of a model of `config` (a streaming graph's of `stream`'s sizes; the module docstring says
+    what that allows), checked without running anything of it."""
     import onnx
 
     try:
@@ -443,17 +622,17 @@ def check_graph(data: bytes, path: Path, name: str, config: ModelConfig) -> None
     if model.functions or graph.sparse_initializer or model.training_info:
         raise CheckpointError(f"{path}: holds functions, sparse initializers or training steps, which asr export "
                               "never writes")
-    _check_io(graph, path, name, config)
+    _check_io(graph, path, name, config, stream)
     limits = _limits(config)
     held = _check_initializers(graph, path, limits)
     _check_nodes(graph, path)
     _check_folding(model, path, limits, held)
 
 
-def _check_io(graph: Any, path: Path, name: str, config: ModelConfig) -> None:
+def _check_io(graph: Any, path: Path, name: str, config: ModelConfig, stream: StreamShape | None) -> None:
     """The graph's inputs and outputs are graph_io's: names, element types, static sizes."""
     initialized = {i.name for i in graph.initializer}
-    inputs, outputs = graph_io(name, config)
+    inputs, outputs = graph_io(name, config, stream)
     for kind, declared, wanted in (("inputs", graph.input, inputs), ("outputs", graph.output, outputs)):
         declared = [value for value in declared if value.name not in initialized]  # (an old style's weights)
         if [value.name for value in declared] != [value.name for value in wanted]:

@@ -90,7 +90,9 @@ class Event(NamedTuple):
 
 class Stream:
     """One audio stream recognized as it arrives (see the module docstring). `model` is an
-    ASRModel with a streaming encoder, in eval mode on its device.
+    ASRModel with a streaming encoder, in eval mode on its device, or an exported model with the
+    streaming graphs (asr.onnx_model.OnnxModel of `asr export --streaming`: its chunk_size and
+    left_chunks only), whose encoder has the same chunk-by-chunk calls.
 
     Two ways to drive it. One stream by itself: `accept_waveform` / `accept_feats` (buffer, then
     encode what is ready) and `finish`. Many streams (a server): `feed` each stream its audio as
@@ -104,7 +106,7 @@ class Stream:
         self.model, self.tokenizer, self.features, self.cmvn = model, tokenizer, features, cmvn
         self.options = options or StreamingOptions()
         self.device = model.device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = _dtype(model)
         self._encoder = model.encoder
         self._state = self._encoder.init_state(1, device=self.device, dtype=self.dtype)
         self._samples = torch.zeros(0)  # waveform not yet framed
@@ -261,6 +263,14 @@ class Stream:
         text = self.tokenizer.decode(list(tokens)) if tokens else ""
         return Event(kind, text, tuple(tokens), self._segment_start * self._frame_seconds,
                      self._frames * self._frame_seconds)
+
+
+def _dtype(model: Any) -> torch.dtype:
+    """The dtype a stream's features and encoder state take: the weights' (float32 for an export,
+    whose graphs run in float32)."""
+    from asr.onnx_model import OnnxModel
+
+    return torch.float32 if isinstance(model, OnnxModel) else next(model.parameters()).dtype
 
 
 @torch.no_grad()

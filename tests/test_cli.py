@@ -340,3 +340,23 @@ def test_serve_flags_are_the_serve_options():
     assert given == ServeOptions(stream_chunk_size=8, stream_left_chunks=4, stream_endpoint_silence=0.3,
                                  stream_max_segment=12.0, max_streams=3, max_stream_seconds=60.0,
                                  stream_receive_timeout_s=5.0, heartbeat_s=0.0)
+
+
+@pytest.mark.slow  # two exports and two transcriptions: a minute
+def test_export_streaming_flags_in_one_line(streaming_files, tmp_path):
+    """asr export --streaming writes the stream graphs, and `asr transcribe --streaming` on the
+    export gives the PyTorch model's transcript; the chunk flags alone, or no --left-chunks, are
+    one-line errors."""
+    model, audio = streaming_files[0], streaming_files[1]
+    for flags, said in ((["--chunk-size", "4"], "--chunk-size needs --streaming"),
+                        (["--streaming"], "left_chunks")):
+        out = asr("export", "--model", model, "--out", tmp_path / "bad", *flags)
+        assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1 and said in out.stderr, out.stderr
+    out = asr("export", "--model", model, "--out", tmp_path / "onnx", "--streaming", "--chunk-size", "4",
+              "--left-chunks", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "onnx" / "stream_chunk.onnx").exists()
+    exported = asr("transcribe", "--model", tmp_path / "onnx", "--streaming", audio)
+    torch_model = asr("transcribe", "--model", model, "--streaming", "--chunk-size", "4", "--left-chunks", "2", audio)
+    assert exported.returncode == 0 and torch_model.returncode == 0, exported.stderr[-2000:]
+    assert exported.stdout.strip() and exported.stdout == torch_model.stdout

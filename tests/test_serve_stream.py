@@ -243,7 +243,8 @@ def test_websocket_answers_bad_messages_with_an_error_and_a_close_code(served, s
     message, code = asyncio.run(late_configuration())
     assert code == 1003 and "first message" in message["error"]
     messages, code = asyncio.run(talk(served.url, b"\x00" * (65 * 1024), frame=65 * 1024))  # > max_message_kb 64
-    assert code == 1009
+    assert code in (1009, 1006) and not messages  # aiohttp's 1009, or the socket it dropped before the client
+    # read that close frame (1006): closed either way, with no result
     messages, code = asyncio.run(talk(served.url, pcm, first={"rate": 16000, "chunk_size": 8}, frame=100))
     assert code == 1000 and finals(messages) == stream_model.texts[2]  # 50-sample messages: the same
     assert asyncio.run(talk(served.url)) == ([{"type": "done"}], 1000)  # {"end": true} alone

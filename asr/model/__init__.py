@@ -18,7 +18,7 @@ from asr.model.asr_model import (
 from asr.model.attention import IN_PARTS, MultiHeadAttention, key_mask
 from asr.model.conformer import ConformerEncoder, RelPositionAttention
 from asr.model.decoder import DecoderCache, ExportedStepCache, TransformerDecoder
-from asr.model.encoder import EncoderAttention, TransformerEncoder, sinusoidal_positions
+from asr.model.encoder import EncoderAttention, EncoderState, LayerCache, TransformerEncoder, sinusoidal_positions
 from asr.model.lm import LMConfig, TransformerLM
 from asr.model.subsampling import Conv2dSubsampling, conv_output_length, right_context
 
@@ -29,6 +29,8 @@ __all__ = [
     "Conv2dSubsampling",
     "DecoderCache",
     "EncoderAttention",
+    "EncoderState",
+    "LayerCache",
     "LMConfig",
     "ModelConfig",
     "ModelOutput",
