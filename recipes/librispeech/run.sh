@@ -9,7 +9,7 @@
 #        [--master-port P] [--nproc-per-node N] [--decode-config FILE] [--beam-size N]
 #        [--average-num N] [--lm LM.arpa[.gz]] [--lm-weight W] [--lm-config FILE] [--lm-exp-dir DIR]
 #        [--lm-mirror URL|FOLDER] [--lm-average-num N] [--lm-override section.key=value ...]
-#        [section.key=value ...]
+#        [--streaming] [section.key=value ...]
 #
 # Stages (a finished stage is skipped when re-run; --stage N reruns N and the stages after it):
 #   0 download, verify (md5) and unpack the archives   1 manifests (speed perturbation 0.9/1.1)
@@ -21,7 +21,9 @@
 # Defaults: --size 100 (conf/librispeech_100h_conformer.yaml; 960: conf/librispeech_960h_conformer.yaml),
 # data in recipes/librispeech/data, experiment in recipes/librispeech/exp/NAME, beam 20 with CTC
 # weight 0.3; the LM: conf/lm/librispeech_transformer.yaml into lm_<config>_<data>_<tokenizer>/
-# beside the experiment.
+# beside the experiment. --streaming trains a streaming model (model.causal_conv, U2's dynamic chunk
+# training: model.dynamic_chunk); decode it as it streams with decoding.chunk_size=N, stream it with
+# Recognizer.stream / asr transcribe --streaming / asr serve's /stream.
 # Two kinds of LM. Stages 11-12: the transformer LM of stages 9-10 scores every step of the beam
 # search on the ASR model's BPE tokens (shallow fusion, --lm-weight default 0.6) into
 # decode_..._lm_<...>_w<weight>/. --lm LM.arpa: stages 6-7 rescore each utterance's ended
@@ -67,7 +69,8 @@ while [ $# -gt 0 ]; do
     --lm-mirror) lm_mirror=$(abspath "$2"); shift 2;;
     --lm-average-num) lm_average_num=$2; shift 2;;
     --lm-override) lm_overrides+=("$2"); shift 2;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    --streaming) overrides+=(model.causal_conv=true model.dynamic_chunk=true); shift;;
+    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2;;
   esac
