@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from small_models import SMALL  # tests/small_models.py
-from test_streaming import feed_in_pieces, spoken, streaming_model  # tests/test_streaming.py
+from test_streaming import encode_in_pieces, feed_in_pieces, spoken, streaming_model  # tests/test_streaming.py
 
 from asr.api import load_model
 from asr.checkpoint import CheckpointError, model_file, save_atomic
@@ -62,27 +62,9 @@ def exported(request, tmp_path_factory):
     return path, folder / "onnx", chunk, left
 
 
-def encode_in_pieces(encoder, feats: list[torch.Tensor], chunk: int, left: int, seed: int) -> list[torch.Tensor]:
-    """Each stream's encoder output when its features arrive in random pieces, the streams starting
-    at different rounds and advanced together (forward_chunks) after each round."""
-    rng = random.Random(seed)
-    begins = [rng.randint(0, 3) for _ in feats]
-    states = [encoder.init_state(1) for _ in feats]
-    fed, out, rounds = [0] * len(feats), [[] for _ in feats], 0
-    while any(n < f.size(1) for n, f in zip(fed, feats)):
-        rows = [i for i, f in enumerate(feats) if begins[i] <= rounds and fed[i] < f.size(1) and rng.random() < 0.8]
-        pieces = []
-        for i in rows:
-            size = rng.randint(1, 30)
-            pieces.append(feats[i][:, fed[i]:fed[i] + size])
-            fed[i] += size
-        h, new = encoder.forward_chunks(pieces, [states[i] for i in rows], chunk_size=chunk, left_chunks=left,
-                                        final=[fed[i] >= feats[i].size(1) for i in rows])
-        for i, h_i, state in zip(rows, h, new):
-            out[i].append(h_i)
-            states[i] = state
-        rounds += 1
-    return [torch.cat(o, dim=1) for o in out]
+def encoded_in_pieces(encoder, feats: list[torch.Tensor], chunk: int, left: int, seed: int) -> list[torch.Tensor]:
+    """test_streaming.encode_in_pieces with its own random.Random(seed)."""
+    return encode_in_pieces(encoder, feats, chunk, left, random.Random(seed))
 
 
 def test_exported_stream_encodes_as_pytorch(exported):
@@ -98,8 +80,8 @@ def test_exported_stream_encodes_as_pytorch(exported):
     onnx_encoder.chunk = lambda x, *rest: rows.append(x.size(0)) or graph(x, *rest)
     for seed in range(2):
         with torch.no_grad():
-            expected = encode_in_pieces(torch_encoder, feats, chunk, left, seed)
-        got = encode_in_pieces(onnx_encoder, feats, chunk, left, seed)
+            expected = encoded_in_pieces(torch_encoder, feats, chunk, left, seed)
+        got = encoded_in_pieces(onnx_encoder, feats, chunk, left, seed)
         assert [h.shape for h in got] == [h.shape for h in expected] and got[-1].size(1) == 0
         for h, want in zip(got, expected):
             torch.testing.assert_close(h, want, atol=1e-4, rtol=0)

@@ -363,6 +363,30 @@ def test_decoding_chunk_size_encodes_as_the_streaming_model_hears():
 # several streams in one batched encoder step (StreamingEncoder.forward_chunks, asr.streaming.advance)
 
 
+def encode_in_pieces(encoder, feats: list[torch.Tensor], chunk: int, left: int, rng: random.Random, *,
+                     latest_start: int = 3, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Each stream's encoder output (1, n, d) when its features (1, F, n_mels) arrive in random
+    pieces of 1-30 frames, the streams starting at random rounds (up to `latest_start`) and
+    advanced together (forward_chunks) after each round."""
+    begins = [rng.randint(0, latest_start) for _ in feats]
+    states = [encoder.init_state(1, dtype=dtype) for _ in feats]
+    fed, out, rounds = [0] * len(feats), [[] for _ in feats], 0
+    while any(n < f.size(1) for n, f in zip(fed, feats)):
+        rows = [i for i, f in enumerate(feats) if begins[i] <= rounds and fed[i] < f.size(1) and rng.random() < 0.8]
+        pieces = []
+        for i in rows:
+            size = rng.randint(1, 30)
+            pieces.append(feats[i][:, fed[i]:fed[i] + size])
+            fed[i] += size
+        h, new = encoder.forward_chunks(pieces, [states[i] for i in rows], chunk_size=chunk, left_chunks=left,
+                                        final=[fed[i] >= feats[i].size(1) for i in rows])
+        for i, h_i, state in zip(rows, h, new):
+            out[i].append(h_i)
+            states[i] = state
+        rounds += 1
+    return [torch.cat(o, dim=1) for o in out]
+
+
 @pytest.mark.parametrize("kind", ["conformer", "transformer"])
 @pytest.mark.parametrize("chunk,left", [(4, -1), (3, 1), (8, 0)])
 def test_streams_batched_together_give_each_ones_encoder_output(kind, chunk, left):
@@ -385,25 +409,9 @@ def test_streams_batched_together_give_each_ones_encoder_output(kind, chunk, lef
         whole = [encoder(f, torch.tensor([f.size(1)]), chunk_size=chunk, left_chunks=left) for f in feats]
         for seed in range(2):
             rng, batches[:] = random.Random(seed), []
-            begins = [rng.randint(0, 4) for _ in feats]  # the round each stream starts in
-            states = [encoder.init_state(1, dtype=torch.float64) for _ in feats]
-            fed, out, rounds = [0] * len(feats), [[] for _ in feats], 0
-            while any(n < f.size(1) for n, f in zip(fed, feats)):
-                rows = [i for i, f in enumerate(feats) if begins[i] <= rounds and fed[i] < f.size(1)
-                        and rng.random() < 0.8]
-                pieces = []
-                for i in rows:
-                    size = rng.randint(1, 30)
-                    pieces.append(feats[i][:, fed[i]:fed[i] + size])
-                    fed[i] += size
-                h, new = encoder.forward_chunks(pieces, [states[i] for i in rows], chunk_size=chunk, left_chunks=left,
-                                                final=[fed[i] >= feats[i].size(1) for i in rows])
-                for i, h_i, state in zip(rows, h, new):
-                    out[i].append(h_i)
-                    states[i] = state
-                rounds += 1
+            out = encode_in_pieces(encoder, feats, chunk, left, rng, latest_start=4, dtype=torch.float64)
             for i, (memory, lens) in enumerate(whole):
-                got = torch.cat(out[i], dim=1)
+                got = out[i]
                 torch.testing.assert_close(got, memory[:, :int(lens[0])], atol=1e-9, rtol=0)
                 torch.testing.assert_close(got, encoder.forward_chunk(feats[i], encoder.init_state(
                     1, dtype=torch.float64), chunk_size=chunk, left_chunks=left, final=True)[0], atol=1e-9, rtol=0)
