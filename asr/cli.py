@@ -682,11 +682,12 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    "'*': any)")
     g = p.add_argument_group("streaming (GET /stream)", "a model built with model.causal_conv streams: the chunks of "
                              "all open streams are encoded together")
-    g.add_argument("--chunk-size", dest="stream_chunk_size", type=_positive, default=16, metavar="N",
-                   help="encoder frames per chunk, 1 to 64; a client may ask for another (default 16)")
-    g.add_argument("--left-chunks", dest="stream_left_chunks", type=int, default=-1, metavar="L",
+    g.add_argument("--chunk-size", dest="stream_chunk_size", type=_positive, metavar="N",
+                   help="encoder frames per chunk, 1 to 64; a client may ask for another (default 16; an exported "
+                   "model's, the only one it streams)")
+    g.add_argument("--left-chunks", dest="stream_left_chunks", type=int, metavar="L",
                    help="chunks of left context a chunk attends to (default -1: all, the cache growing with the "
-                   "stream up to --max-stream-seconds)")
+                   "stream up to --max-stream-seconds; an exported model's own)")
     g.add_argument("--endpoint-silence", dest="stream_endpoint_silence", type=float, default=0.5, metavar="S",
                    help="seconds of silence after words that make a final (default 0.5; 0: only at the end)")
     g.add_argument("--max-segment", dest="stream_max_segment", type=float, default=30.0, metavar="S",

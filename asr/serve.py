@@ -111,9 +111,10 @@ class ServeOptions:
     max_streams: int = 16  # WebSocket streams open at once; one more is told busy (1013)
     max_stream_seconds: float = 600.0  # seconds of audio one stream may send (and of the wall clock, with
     # stream_receive_timeout_s more, that it may stay open before its end)
-    stream_chunk_size: int = 16  # encoder frames per chunk (a client may ask for 1 to 64)
-    stream_left_chunks: int = -1  # chunks of left context a chunk attends to; -1: all (the attention cache then
-    # grows with the stream, up to max_stream_seconds)
+    stream_chunk_size: int | None = None  # encoder frames per chunk (a client may ask for 1 to 64); None: the
+    # model's own (16; an export's, fixed when it was exported)
+    stream_left_chunks: int | None = None  # chunks of left context a chunk attends to; -1: all (the attention
+    # cache then grows with the stream, up to max_stream_seconds); None: the model's own (-1; an export's)
     stream_endpoint_silence: float = 0.5  # seconds of silence after words that make a final; 0: only at the end
     stream_max_segment: float = 30.0  # seconds after which a segment is made final; 0: no limit
     stream_ahead_s: float = 10.0  # audio of a stream waiting for the encoder past which its socket is not read
@@ -132,7 +133,8 @@ class ServeOptions:
             raise ValueError("serve: the timeouts must be positive")
         if not self.give_way_s >= 0:
             raise ValueError("serve: give_way_s must be at least 0")
-        if self.max_streams < 1 or not 1 <= self.stream_chunk_size <= 64 or self.stream_left_chunks < -1:
+        if (self.max_streams < 1 or not 1 <= (self.stream_chunk_size or 1) <= 64
+                or (self.stream_left_chunks is not None and self.stream_left_chunks < -1)):
             raise ValueError("serve: max_streams must be at least 1, stream_chunk_size from 1 to 64, "
                              "stream_left_chunks at least -1")
         if not (self.max_stream_seconds > 0 and self.stream_ahead_s > 0 and self.stream_receive_timeout_s > 0

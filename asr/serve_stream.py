@@ -8,7 +8,8 @@ The protocol. The client sends:
   - optionally first, a text message {"rate": 16000, "chunk_size": C}, both keys optional:
     "rate" must be 16000 (resample on the client); "chunk_size" is the stream's chunk in encoder
     frames (1 to MAX_CHUNK; default the server's stream_chunk_size, e.g. 16 = 640 ms at 4x and
-    10 ms frames): smaller chunks give earlier words and cost more compute;
+    10 ms frames): smaller chunks give earlier words and cost more compute; an exported model
+    streams only the chunk_size it was exported with;
   - binary messages: mono PCM at 16 kHz, little-endian signed 16-bit samples (an even number of
     bytes), of any length up to max_message_kb (100 ms = 3,200 bytes is a good frame);
   - the text message {"end": true} when the audio ends.
@@ -135,6 +136,7 @@ class StreamHub:
     def __init__(self, recognizer: Recognizer, options: Any, decoder: Executor) -> None:
         # options: asr.serve.ServeOptions (asr.serve imports this module: no import back)
         self.recognizer, self.options, self._decoder = recognizer, options, decoder
+        self.chunk_size, self.left_chunks = 16, -1  # the streams' defaults, the model's own unless options say
         self.unavailable = self._check_model()  # None, or why this model cannot stream
         self._open: set[_Live] = set()
         self._wake: asyncio.Event | None = None  # made in the serving loop
@@ -142,21 +144,25 @@ class StreamHub:
         self.stats = {"streams": 0, "busy": 0, "steps": 0, "stepped": 0, "largest_step": 0}
 
     def _check_model(self) -> str | None:
+        """None when the model streams with the options' chunk settings (then taken as the streams'
+        defaults: the model's own where the options leave them unset), else why not."""
+        o = self.options
         try:
-            self._new_stream(self.options.stream_chunk_size)
+            probe = self.recognizer.stream(o.stream_chunk_size, o.stream_left_chunks)
         except (ValueError, AttributeError, NotImplementedError) as e:  # a model without chunked encoding
             return f"this server's model cannot stream ({e}); send the audio to POST /api/transcribe"
+        self.chunk_size, self.left_chunks = probe.options.chunk_size, probe.options.left_chunks
         return None
 
     def _new_stream(self, chunk_size: int) -> Any:
         o = self.options
-        return self.recognizer.stream(chunk_size, o.stream_left_chunks, endpoint_silence=o.stream_endpoint_silence,
+        return self.recognizer.stream(chunk_size, self.left_chunks, endpoint_silence=o.stream_endpoint_silence,
                                       max_segment=o.stream_max_segment)
 
     @property
     def chunk_seconds(self) -> float:
         """Seconds of audio in a chunk of the default chunk_size."""
-        return self.options.stream_chunk_size / self.recognizer.model.config.frames_per_second
+        return self.chunk_size / self.recognizer.model.config.frames_per_second
 
     def health(self) -> dict[str, Any]:
         """What /api/health shows under "streaming": "available" (else "reason"), the streams
@@ -165,7 +171,7 @@ class StreamHub:
         defaults: "chunk_size", "chunk_seconds", "endpoint_silence"."""
         info: dict[str, Any] = {"available": self.unavailable is None, "open": len(self._open), **self.stats}
         if self.unavailable is None:
-            info.update(chunk_size=self.options.stream_chunk_size, chunk_seconds=round(self.chunk_seconds, 4),
+            info.update(chunk_size=self.chunk_size, chunk_seconds=round(self.chunk_seconds, 4),
                         endpoint_silence=self.options.stream_endpoint_silence)
         else:
             info["reason"] = self.unavailable
@@ -293,7 +299,7 @@ class StreamHub:
         if rate != SAMPLE_RATE or isinstance(rate, bool):
             raise _Refused(f"rate {str(rate)[:20]}: this server takes 16000 Hz audio only (resample it before "
                            "sending)", UNSUPPORTED)
-        chunk = message.get("chunk_size", self.options.stream_chunk_size)
+        chunk = message.get("chunk_size", self.chunk_size)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_CHUNK:
             raise _Refused(f"chunk_size {str(chunk)[:20]}: an integer from 1 to {MAX_CHUNK} (encoder frames)",
                            UNSUPPORTED)
@@ -302,8 +308,11 @@ class StreamHub:
     def _begin(self, live: _Live, chunk_size: int | None = None) -> None:
         """The live's Stream, made by its first message."""
         if live.stream is None:
-            chunk_size = chunk_size or self.options.stream_chunk_size
-            live.stream = self._new_stream(chunk_size)
+            chunk_size = chunk_size or self.chunk_size
+            try:
+                live.stream = self._new_stream(chunk_size)
+            except ValueError as e:  # a chunk_size an exported model was not exported with
+                raise _Refused(str(e), UNSUPPORTED) from None
             live.chunk_seconds = chunk_size / self.recognizer.model.config.frames_per_second
 
     def _audio(self, live: _Live, data: bytes) -> None:

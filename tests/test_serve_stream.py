@@ -288,6 +288,26 @@ def test_websocket_of_a_model_that_cannot_stream(in_process, stream_model):
     assert code == 1003 and messages == [{"type": "error", "error": streaming["reason"]}]
 
 
+def test_websocket_of_an_exported_model_streams_its_own_chunks(in_process, stream_model, tmp_path):
+    """An export made with --streaming --chunk-size 8 --left-chunks 2, served without chunk
+    options: the streams take the export's chunks (/api/health says so) and give the PyTorch
+    model's finals at those chunks; a client asking for another chunk_size is told why (1003)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from asr.export import export_model
+
+    export_model(stream_model.model, tmp_path / "onnx", chunk_size=8, left_chunks=2)
+    exported = in_process(tmp_path / "onnx")
+    assert exported.health()["streaming"]["chunk_size"] == 8
+    pytorch = in_process(stream_model.model, stream_chunk_size=8, stream_left_chunks=2)
+    for index in (2, 6):
+        messages, code = asyncio.run(talk(exported.url, stream_model.pcm(index, silence=1.0)))
+        assert code == 1000 and finals(messages) == finals(asyncio.run(talk(pytorch.url, stream_model.pcm(
+            index, silence=1.0)))[0]) == stream_model.texts[index]
+    messages, code = asyncio.run(talk(exported.url, stream_model.pcm(2), first={"chunk_size": 4}))
+    assert code == 1003 and "8" in messages[-1]["error"] and "not 4" in messages[-1]["error"], messages
+
+
 def test_concurrent_streams_share_a_batched_step(in_process, stream_model, monkeypatch):
     """Two streams at once: their chunks are encoded in one advance (the batch sizes recorded by
     a wrapper around asr.streaming.advance, whose first call is held 0.5 s so that the second
