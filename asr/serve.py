@@ -133,7 +133,7 @@ class ServeOptions:
             raise ValueError("serve: the timeouts must be positive")
         if not self.give_way_s >= 0:
             raise ValueError("serve: give_way_s must be at least 0")
-        if (self.max_streams < 1 or not 1 <= (self.stream_chunk_size or 1) <= 64
+        if (self.max_streams < 1 or (self.stream_chunk_size is not None and not 1 <= self.stream_chunk_size <= 64)
                 or (self.stream_left_chunks is not None and self.stream_left_chunks < -1)):
             raise ValueError("serve: max_streams must be at least 1, stream_chunk_size from 1 to 64, "
                              "stream_left_chunks at least -1")

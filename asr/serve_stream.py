@@ -136,7 +136,8 @@ class StreamHub:
     def __init__(self, recognizer: Recognizer, options: Any, decoder: Executor) -> None:
         # options: asr.serve.ServeOptions (asr.serve imports this module: no import back)
         self.recognizer, self.options, self._decoder = recognizer, options, decoder
-        self.chunk_size, self.left_chunks = 16, -1  # the streams' defaults, the model's own unless options say
+        self.chunk_size: int = 0  # the streams' defaults, set by _check_model when the model streams
+        self.left_chunks: int = -1
         self.unavailable = self._check_model()  # None, or why this model cannot stream
         self._open: set[_Live] = set()
         self._wake: asyncio.Event | None = None  # made in the serving loop
@@ -162,7 +163,10 @@ class StreamHub:
     @property
     def chunk_seconds(self) -> float:
         """Seconds of audio in a chunk of the default chunk_size."""
-        return self.chunk_size / self.recognizer.model.config.frames_per_second
+        return self._seconds(self.chunk_size)
+
+    def _seconds(self, chunk_size: int) -> float:
+        return chunk_size / self.recognizer.model.config.frames_per_second
 
     def health(self) -> dict[str, Any]:
         """What /api/health shows under "streaming": "available" (else "reason"), the streams
@@ -313,7 +317,7 @@ class StreamHub:
                 live.stream = self._new_stream(chunk_size)
             except ValueError as e:  # a chunk_size an exported model was not exported with
                 raise _Refused(str(e), UNSUPPORTED) from None
-            live.chunk_seconds = chunk_size / self.recognizer.model.config.frames_per_second
+            live.chunk_seconds = self._seconds(chunk_size)
 
     def _audio(self, live: _Live, data: bytes) -> None:
         """A binary message: int16 samples, fed to the stream (or kept beside it during its step)."""

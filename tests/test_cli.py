@@ -342,6 +342,16 @@ def test_serve_flags_are_the_serve_options():
                                  stream_receive_timeout_s=5.0, heartbeat_s=0.0)
 
 
+
+@pytest.mark.parametrize("field", [{"stream_chunk_size": 0}, {"stream_chunk_size": 65}, {"stream_left_chunks": -2}])
+def test_serve_options_refuse_stream_chunks_out_of_range(field):
+    """Unset chunk options mean the model's own; a set one out of range is refused, 0 included."""
+    from asr.serve import ServeOptions
+
+    ServeOptions(stream_chunk_size=None, stream_left_chunks=None)
+    with pytest.raises(ValueError, match="stream_chunk_size from 1 to 64"):
+        ServeOptions(**field)
+
 @pytest.mark.slow  # two exports and two transcriptions: a minute
 def test_export_streaming_flags_in_one_line(streaming_files, tmp_path):
     """asr export --streaming writes the stream graphs, and `asr transcribe --streaming` on the
