@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "synth" / "local"))  # the recipe's helpers are scripts
 
 import festival  # noqa: E402
+import flite  # noqa: E402
 import synthesize  # noqa: E402
 
 RECIPE = {"train": 27000, "dev": 200, "test": 400, "dev_near": 200}  # run.sh's sizes
@@ -160,14 +161,16 @@ def test_lines_are_spoken_in_one_festival_run_and_resampled_to_16_khz(tmp_path, 
     assert '(SynthText "it\'s two.")' in script
 
 
-def test_fetch_without_apt_get_says_so_in_one_line(tmp_path):
-    empty = tmp_path / "bin"  # no festival, no apt-get on PATH
+@pytest.mark.parametrize("script, name", [(festival.FESTIVAL_SH, "Festival"), (flite.FLITE_SH, "Flite")])
+def test_fetch_without_apt_get_says_so_in_one_line(tmp_path, script, name):
+    """tools/festival.sh and tools/flite.sh (both through tools/debunpack.sh) on a system without them."""
+    empty = tmp_path / "bin"  # no festival or flite, no apt-get on PATH
     empty.mkdir()
-    done = subprocess.run(["/bin/bash", str(festival.FESTIVAL_SH), "fetch", str(tmp_path / "f")],
+    done = subprocess.run(["/bin/bash", str(script), "fetch", str(tmp_path / "f")],
                           capture_output=True, text=True, env={"PATH": str(empty), "HOME": str(tmp_path)}, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip().splitlines()[-1].startswith(f"festival.sh: cannot fetch Festival into {tmp_path / 'f'}: "
-                                                           "no apt-get")
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"{name.lower()}.sh: cannot fetch {name} into {tmp_path / 'f'}: no apt-get")
 
 
 @pytest.mark.slow

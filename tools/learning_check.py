@@ -15,7 +15,9 @@ OUT/learning_check.json.
    en-029 and en-gb-x-gbcwmd (unseen accents: pronunciation), dev_near.jsonl in the training accents
    by voice variants training never uses (synthesize.NEAR_VARIANTS: acoustics, near) and
    dev_synth.jsonl by Festival's ked_diphone voice (recipes/synth/local/festival.py: a synthesizer
-   never heard; skipped, not failed, when Festival cannot be fetched). With --data, that folder's
+   never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
+   of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
+   recipe's --flite). With --data, that folder's
    train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them. Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
@@ -52,6 +54,7 @@ from asr.train_setup import load_experiment_config  # noqa: E402
 
 SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
 FESTIVAL = ROOT / "recipes" / "synth" / "local" / "festival.py"
+FLITE = ROOT / "recipes" / "synth" / "local" / "flite.py"
 # the dev sets: the same held-out lines, one gap each (module docstring)
 DEV_SETS = {"dev": "unseen accents", "dev_near": "unseen voices", "dev_synth": "unseen synthesizer"}
 
@@ -77,7 +80,7 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
     if (data / "train.jsonl").is_file() and (data / "dev.jsonl").is_file():
         if not (data / "dev_synth.jsonl").is_file() and not (data / "dev_synth.skipped").is_file():
             run([sys.executable, FESTIVAL, "dev-set", "--data", data], log)  # a folder made before it
-        return data
+        return with_flite(args, data, log)
     if not args.text:
         sys.exit("learning_check: give --text FILE (sentences to speak) or --data DIR (a corpus folder)")
     text = Path(args.text)
@@ -89,6 +92,13 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
     run([sys.executable, SYNTHESIZE, "--out-dir", data, "--text", text, "--num-train", num_train,
          "--num-dev", args.num_dev, "--num-test", 0, "--seed", args.seed, "--jobs", args.jobs], log)
     run([sys.executable, FESTIVAL, "dev-set", "--data", data], log)  # exits 0 when it skips (said in the log)
+    return with_flite(args, data, log)
+
+
+def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
+    """--flite F: that fraction of the training lines spoken again by Flite (kept when made before)."""
+    if args.flite:
+        run([sys.executable, FLITE, "train", "--data", data, "--fraction", args.flite, "--jobs", args.jobs], log)
     return data
 
 
@@ -161,6 +171,9 @@ def main() -> None:
     p.add_argument("--below", type=float, default=0.5, help="off the plateau: CTC loss per token < this x ln V")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="synthesis processes")
+    p.add_argument("--flite", type=float, default=0.0,
+                   help="with --text: this fraction of the training lines spoken again by Flite "
+                        "(recipes/synth/local/flite.py), as recipes/synth/run.sh --flite")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config")
     args = p.parse_args()
 

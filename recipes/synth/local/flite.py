@@ -1,0 +1,228 @@
+"""Training speech from a second synthesizer: a fraction of the corpus's training utterances spoken
+again by CMU Flite (Debian's flite: kal16, a diphone voice, and awb, rms and slt, statistical
+parametric voices), so that the model does not learn eSpeak's formant sound as speech itself.
+
+    python local/flite.py train --data DATA --fraction F [--flite-dir DIR] [--seed S] [--jobs J]
+    python local/flite.py say "SOME TEXT" OUT.flac [--voice V] [--flite-dir DIR]
+
+`train` reads DATA/train.jsonl (as synthesize.py wrote it), chooses round(F x N) of its utterances
+with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice dealt from shuffled
+decks and a speed (duration_stretch) drawn per utterance, with the training edges and noise floor
+(synthesize.TRIMMED_EDGE, with_edges_and_noise), into DATA/wav/train_flite/<id>.flac, and rewrites
+those lines of train.jsonl (audio, duration, speaker "flite+<voice>"); the text and id stay. Each is
+given the text eSpeak was given (festival.festival_text). train_words.jsonl keeps eSpeak's word
+starts of wav/train: it is not the truth of a Flite line. DATA/corpus.json records the fraction
+and the voices. A FLAC whose stored plan key matches is kept on a re-run, and applying the same
+fraction again to a train.jsonl it already rewrote changes nothing. Festival's ked, the unseen
+synthesizer of dev_synth (local/festival.py), is not one of these voices, nor is Festival (the
+program) run: Flite is a separate engine; its kal16 is a diphone voice as ked is, of another
+speaker and database. Flite comes from tools/flite.sh (downloaded and unpacked into --flite-dir,
+default $ASR_FLITE_DIR or ~/.cache/asr-flite, when missing); unlike the dev set, training speech
+that cannot be had fails the run (exit 1) rather than change what the model trains on.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+from festival import festival_text  # this script's folder
+from synthesize import (
+    EDGE_SILENCE,
+    NOISE_SNR_DB,
+    SAMPLE_RATE,
+    TRIMMED_EDGE,
+    Resampler,
+    existing_frames,
+    with_edges_and_noise,
+    write_flac,
+)
+
+from asr.fileio import atomic_open
+
+VOICES = ("kal16", "awb", "rms", "slt")
+FOLDER = "train_flite"  # under DATA/wav
+FLITE_SH = Path(__file__).resolve().parents[3] / "tools" / "flite.sh"
+# duration_stretch (larger is slower; 1 is the voice's own, ~160-180 words per minute), spanning
+# about eSpeak's 130-200 (synthesize.RATE_WPM)
+DURATION_STRETCH = (0.85, 1.25)
+
+
+class FliteError(RuntimeError):
+    """A one-line reason: what is missing, or which text Flite failed on."""
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("ASR_FLITE_DIR") or Path.home() / ".cache" / "asr-flite")
+
+
+def fetch(folder: Path) -> Path:
+    """A folder whose flite has the voices (tools/flite.sh fetch), or a FliteError saying why not."""
+    try:
+        done = subprocess.run(["bash", str(FLITE_SH), "fetch", str(folder)], capture_output=True, text=True,
+                              timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise FliteError(f"{FLITE_SH} fetch: {e}") from None
+    if done.returncode:
+        lines = done.stderr.strip().splitlines()
+        raise FliteError(lines[-1] if lines else f"{FLITE_SH} fetch failed (exit {done.returncode})")
+    return folder
+
+
+def speak(text: str, voice: str, stretch: float, folder: Path) -> np.ndarray:
+    """`text` (a manifest text) spoken by `voice`: (T,) float32 at SAMPLE_RATE in int16 units."""
+    with tempfile.TemporaryDirectory(prefix="asr-flite-") as tmp:
+        wav = Path(tmp) / "out.wav"
+        try:
+            done = subprocess.run(["bash", str(FLITE_SH), "run", str(folder), "-voice", voice,
+                                   "--setf", f"duration_stretch={stretch}", "-t", festival_text(text),
+                                   "-o", str(wav)], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise FliteError(f"flite: {e}") from None
+        if done.returncode or not wav.is_file():
+            tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            raise FliteError(f"flite ({voice}) wrote nothing for {text!r}: {tail}")
+        samples, rate = sf.read(str(wav), dtype="int16")
+    y = samples.astype(np.float32)
+    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+
+
+@dataclass(frozen=True)
+class Utt:
+    """One training utterance spoken by Flite: its id and text (train.jsonl's) and how it is spoken."""
+
+    id: str
+    text: str
+    voice: str
+    stretch: float
+    lead: float  # seconds of silence before the speech
+    tail: float  # and after
+    snr_db: float  # noise floor, as synthesize.Utt's
+
+    @property
+    def audio(self) -> str:
+        return f"wav/{FOLDER}/{self.id}.flac"
+
+    @property
+    def key(self) -> str:
+        """Digest of everything that shapes the audio, stored in the FLAC."""
+        return hashlib.sha1(json.dumps({**asdict(self), "engine": "flite"}, sort_keys=True).encode()).hexdigest()
+
+
+def plan(train: list[dict], fraction: float, seed: int) -> list[Utt]:
+    """round(fraction x len(train)) of the training utterances (a seeded choice, in id order), each
+    with its voice (shuffled decks of VOICES), speed, edges and noise drawn from the seed."""
+    rng = random.Random(f"synth-flite:{seed}")
+    ordered = sorted(train, key=lambda u: u["id"])
+    chosen = sorted(rng.sample(range(len(ordered)), round(fraction * len(ordered))))
+
+    def edge() -> float:
+        return 0.0 if rng.random() < TRIMMED_EDGE else round(rng.uniform(*EDGE_SILENCE), 3)
+
+    deck: list[str] = []
+    utts = []
+    for i in chosen:
+        if not deck:
+            deck = rng.sample(VOICES, len(VOICES))
+        utts.append(Utt(id=ordered[i]["id"], text=ordered[i]["text"], voice=deck.pop(),
+                        stretch=round(rng.uniform(*DURATION_STRETCH), 3), lead=edge(), tail=edge(),
+                        snr_db=round(rng.uniform(*NOISE_SNR_DB), 1)))
+    return utts
+
+
+def _render(data: Path, folder: Path, u: Utt) -> int:
+    """Speak one utterance into its FLAC (kept when its key matches); its frames."""
+    frames = existing_frames(data / u.audio, u.key)
+    if frames is None:
+        try:
+            y = speak(u.text, u.voice, u.stretch, folder)
+        except FliteError as e:
+            raise FliteError(f"{u.id}: {e}") from None
+        samples = with_edges_and_noise(y, u.lead, u.tail, u.snr_db, u.key)
+        write_flac(data / u.audio, samples, u.key)
+        frames = len(samples)
+    return frames
+
+
+def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None = None, jobs: int = 1) -> list[Utt]:
+    """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl (module docstring)."""
+    manifest = data / "train.jsonl"
+    lines = []
+    for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            lines.append(json.loads(line))
+        except ValueError as e:
+            raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
+    card_path = data / "corpus.json"
+    card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
+    if seed is None:
+        seed = card.get("seed", 0)
+    utts = plan(lines, fraction, seed)
+    todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
+    if todo:
+        fetch(folder)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:  # each call is its own flite process
+        frames = dict(zip((u.id for u in utts), pool.map(lambda u: _render(data, folder, u), utts)))
+    by_id = {u.id: u for u in utts}
+    with atomic_open(manifest) as f:
+        for line in lines:
+            u = by_id.get(line["id"])
+            if u is not None:
+                line = {**line, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE, "speaker": f"flite+{u.voice}"}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    if card:
+        card["flite"] = {"fraction": fraction, "voices": list(VOICES), "utterances": len(utts)}
+        with atomic_open(card_path) as f:
+            f.write(json.dumps(card, indent=1) + "\n")
+    print(f"flite: {len(utts)} of {len(lines)} training utterances spoken by Flite ({', '.join(VOICES)}) in "
+          f"{data}: {len(todo)} made, {len(utts) - len(todo)} kept", file=sys.stderr)
+    return utts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="a fraction of DATA/train.jsonl spoken again by Flite")
+    p.add_argument("--data", type=Path, required=True, help="the corpus folder (train.jsonl)")
+    p.add_argument("--fraction", type=float, required=True, help="of the training utterances, in [0, 1]")
+    p.add_argument("--seed", type=int, help="default: DATA/corpus.json's, else 0")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="flite processes at a time")
+    q = sub.add_parser("say", help="speak one text into a 16 kHz FLAC")
+    q.add_argument("text")
+    q.add_argument("out", type=Path)
+    q.add_argument("--voice", choices=VOICES, default=VOICES[0])
+    for x in (p, q):
+        x.add_argument("--flite-dir", type=Path, default=default_dir(),
+                       help="where tools/flite.sh unpacks Flite (default $ASR_FLITE_DIR or ~/.cache/asr-flite)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "say":
+            y = speak(args.text, args.voice, 1.0, fetch(args.flite_dir))
+            samples = np.clip(np.rint(y), -32768, 32767).astype(np.int16)
+            write_flac(args.out, samples, key=f"flite:{args.voice}:{hashlib.sha1(args.text.encode()).hexdigest()}")
+            print(f"{args.out}: {len(samples) / SAMPLE_RATE:.2f} s at {SAMPLE_RATE} Hz ({args.voice})")
+            return 0
+        if not 0.0 <= args.fraction <= 1.0:
+            parser.error("--fraction must be within [0, 1]")
+        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs)
+    except (FliteError, OSError, ValueError, KeyError) as e:
+        print(f"flite: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

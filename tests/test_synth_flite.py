@@ -1,0 +1,125 @@
+"""Training speech from a second synthesizer (recipes/synth/local/flite.py): which training lines
+Flite speaks, with which voices, that the manifest's other lines and a re-run are left as they
+were, and the real Flite when it can be fetched."""
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes" / "synth" / "local"))  # the recipe's helpers are scripts
+
+import flite  # noqa: E402
+
+# a fake tools/flite.sh: `run DIR -voice V --setf duration_stretch=S -t TEXT -o OUT` writes a tone
+# of 0.1 s per character at 16 kHz (8 kHz for the voice "rms", to be resampled) and logs the call
+FAKE = """\
+import sys
+import numpy as np, soundfile as sf
+args = sys.argv[1:]
+assert args[0] == 'run' and args[2] == '-voice' and args[4] == '--setf' and args[6] == '-t' and args[8] == '-o'
+open(__file__ + '.calls', 'a').write(' '.join([args[3], args[5], args[7]]) + '\\n')
+rate = 8000 if args[3] == 'rms' else 16000
+t = np.arange(int(0.1 * rate * len(args[7]))) / rate
+sf.write(args[9], (6000 * np.sin(2 * np.pi * 300 * t)).astype(np.int16), rate)
+"""
+
+
+def fake_flite(tmp_path: Path, monkeypatch) -> Path:
+    script = tmp_path / "fake_flite.py"
+    script.write_text(FAKE)
+    (tmp_path / "flite.sh").write_text(f'[ "$1" = fetch ] && exit 0\nexec {sys.executable} {script} "$@"\n')
+    monkeypatch.setattr(flite, "FLITE_SH", tmp_path / "flite.sh")
+    return Path(str(script) + ".calls")
+
+
+def corpus(tmp_path: Path, n: int) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [{"id": f"train-{i:06d}", "audio": f"wav/train/train-{i:06d}.flac", "duration": 1.5,
+              "text": f"WORD NUMBER {i}", "speaker": "en-us+m1"} for i in range(n)]
+    (data / "train.jsonl").write_text("".join(json.dumps(u) + "\n" for u in lines))
+    (data / "corpus.json").write_text(json.dumps({"seed": 3, "splits": {}}) + "\n")
+    return data
+
+
+def test_plan_chooses_the_fraction_with_the_seed_and_deals_every_voice():
+    train = [{"id": f"train-{i:06d}", "text": f"T {i}"} for i in range(400)]
+    a, b = flite.plan(train, 0.25, seed=0), flite.plan(list(reversed(train)), 0.25, seed=0)
+    assert a == b and len(a) == 100  # the manifest's order does not matter
+    assert [u.id for u in a] == sorted(u.id for u in a)
+    assert {u.id for u in a} != {u.id for u in flite.plan(train, 0.25, seed=1)}
+    assert Counter(u.voice for u in a) == {v: 25 for v in flite.VOICES}  # shuffled decks: dealt evenly
+    assert all(lo <= u.stretch <= hi for u in a for lo, hi in [flite.DURATION_STRETCH])
+    assert 0 < sum(u.lead == 0.0 for u in a) < 50  # some trimmed edges, as eSpeak's training lines
+    assert flite.plan(train, 0.0, 0) == [] and len(flite.plan(train, 1.0, 0)) == 400
+    assert "ked" not in " ".join(flite.VOICES)  # dev_synth's voice stays unheard
+
+
+def test_train_lines_are_rewritten_to_flite_and_a_rerun_changes_nothing(tmp_path, monkeypatch, capsys):
+    calls = fake_flite(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 20)
+    before = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.5", "--flite-dir", "DIR", "--jobs", "2"]) == 0
+    after = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    plan = {u.id: u for u in flite.plan(before, 0.5, seed=3)}  # corpus.json's seed
+    assert len(plan) == 10 and [u["id"] for u in after] == [u["id"] for u in before]
+    for old, new in zip(before, after):
+        if old["id"] not in plan:
+            assert new == old
+            continue
+        u = plan[old["id"]]
+        assert new["text"] == old["text"] and new["audio"] == f"wav/train_flite/{u.id}.flac"
+        assert new["speaker"] == f"flite+{u.voice}"
+        info = sf.info(str(data / new["audio"]))
+        assert (info.samplerate, info.channels) == (16000, 1) and new["duration"] == info.frames / 16000
+        spoken = 0.1 * len(flite.festival_text(u.text))  # the fake's tone, whatever the voice's rate
+        assert new["duration"] == pytest.approx(spoken + u.lead + u.tail, abs=2e-3)
+    assert json.loads((data / "corpus.json").read_text())["flite"] == {
+        "fraction": 0.5, "voices": list(flite.VOICES), "utterances": 10}
+    assert len(calls.read_text().splitlines()) == 10
+    text = (data / "train.jsonl").read_text()
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.5", "--flite-dir", "DIR"]) == 0
+    assert (data / "train.jsonl").read_text() == text
+    assert len(calls.read_text().splitlines()) == 10  # every FLAC kept, none spoken again
+    assert "10 of 20 training utterances spoken by Flite" in capsys.readouterr().err
+
+
+def test_without_flite_the_training_step_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    data = corpus(tmp_path, 4)
+    fake = tmp_path / "flite.sh"
+    fake.write_text('echo "flite.sh: cannot fetch Flite into $2: no apt-get" >&2; exit 1\n')
+    monkeypatch.setattr(flite, "FLITE_SH", fake)
+    text = (data / "train.jsonl").read_text()
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.5", "--flite-dir", str(tmp_path / "f")]) == 1
+    assert capsys.readouterr().err.strip() == "flite: error: flite.sh: cannot fetch Flite into " \
+        f"{tmp_path / 'f'}: no apt-get"
+    assert (data / "train.jsonl").read_text() == text  # nothing half-changed
+    with pytest.raises(SystemExit):
+        flite.main(["train", "--data", str(data), "--fraction", "1.5"])
+
+
+@pytest.mark.slow
+def test_flite_voices_speak_a_line_into_a_16khz_flac(tmp_path):
+    """Flite fetched (tools/flite.sh: apt-get download and dpkg-deb -x into the user's cache, a network
+    download: slow-marked for that); each voice speaks a line, slower with a larger stretch."""
+    try:
+        folder = flite.fetch(flite.default_dir())
+    except flite.FliteError as e:
+        pytest.skip(f"Flite cannot be fetched here: {e}")
+    line = "WE FOUND TWENTY ONE WINDOWS IN DETROIT"
+    for voice in flite.VOICES:
+        out = tmp_path / f"{voice}.flac"
+        assert flite.main(["say", line, str(out), "--voice", voice, "--flite-dir", str(folder)]) == 0
+        info = sf.info(str(out))
+        assert (info.samplerate, info.channels, info.format, info.subtype) == (16000, 1, "FLAC", "PCM_16")
+        samples = sf.read(str(out), dtype="int16")[0]
+        assert 1.0 < len(samples) / 16000 < 6.0 and np.abs(samples).max() > 3000  # speech, not silence
+        slow = flite.speak(line, voice, 1.25, folder)
+        assert len(slow) > 1.1 * len(samples)
