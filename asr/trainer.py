@@ -452,7 +452,10 @@ def train_one_epoch(run: Run, state: State, task: Task, loader, logger: TrainLog
             group = []
             if _max_steps_reached(tc, state):
                 return False
-            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0:
+            # not at the epoch's last step: its validation's checkpoint, of the same step, follows
+            # (writing the step's file twice would let a kill between a file and the index leave
+            # the index describing the other one)
+            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 and state.batch // world < total:
                 _save_checkpoint(run, state, valid_loss=None)
     return True
 

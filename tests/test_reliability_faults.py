@@ -196,7 +196,9 @@ def test_sigkill_at_random_points_always_resumes_to_identical_weights(tmp_path):
                           "--out", report], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(report.read_text()) if report.exists() else {}
-    assert out.returncode == 0 and result["failures"] == [], (out.stderr[-3000:], result)
+    logs = "\n".join(f"{f['log']}:\n" + Path(f["log"]).read_text(errors="replace")[-2000:]
+                     for f in result.get("failures", []))
+    assert out.returncode == 0 and result["failures"] == [], (out.stderr[-3000:], result.get("failures"), logs)
     assert result["identical"] == result["trials"] == 20 and result["kills"] >= 20
     assert len(result["phases"]) >= 3, result["phases"]  # the kills landed in different places
 

@@ -182,6 +182,35 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_step_that_ends_an_epoch_is_checkpointed_once_with_its_validation(tmp_path, monkeypatch):
+    """checkpoint_every=1: every step is checkpointed, the epoch's last one only by its
+    validation (one file a step: a kill between a file and the index cannot leave the index
+    describing another write of the same file)."""
+    import asr.trainer
+    from asr import cli
+
+    manifest = make_corpus(tmp_path / "data", n=4, seconds=0.6)
+    saved = []
+    original = asr.trainer.save_checkpoint
+
+    def recording(exp, envelope, **kw):
+        saved.append((kw["state"]["step"], kw["state"]["epoch"], kw["valid_loss"]))
+        return original(exp, envelope, **kw)
+
+    monkeypatch.setattr(asr.trainer, "save_checkpoint", recording)
+    code = cli.main(["train", "--config", str(TINY), "--train", str(manifest), "--valid", str(manifest),
+                     "--exp-dir", str(tmp_path / "exp"), *QUIET, "training.epochs=2", "training.max_steps=0",
+                     "training.checkpoint_every=1", "data.num_workers=0", "data.max_batch_seconds=1.5",
+                     "training.valid_decode_utts=0"])
+    assert code == 0
+    steps = [step for step, _, _ in saved]
+    assert len(steps) == len(set(steps)) and steps == list(range(1, steps[-1] + 1)), saved
+    validated = [(step, epoch) for step, epoch, loss in saved if loss is not None]
+    assert len(validated) == 2 and validated[-1] == (steps[-1], 2), saved
+    index = json.loads((tmp_path / "exp" / "checkpoints" / "index.json").read_text())
+    assert index[-1]["step"] == steps[-1] and index[-1]["valid_loss"] is not None
+
+
 def test_refuses_resume_with_another_config(tmp_path):
     manifest = make_corpus(tmp_path / "data", n=2)
     exp = tmp_path / "exp"

@@ -230,6 +230,10 @@ def _start_training(args: list[str], log: Path) -> int:
     """Fork `asr train ARGS` (asr.cli.main) in its own process group, output appended to `log`."""
     pid = os.fork()
     if pid:
+        try:  # the child does the same: the group exists before either goes on, whoever runs first
+            os.setpgid(pid, pid)
+        except (PermissionError, ProcessLookupError):
+            pass  # the child has set it already (or has ended)
         return pid
     code = 70
     try:
@@ -309,23 +313,27 @@ def kill_trials(trials: int, seed: int, workdir: Path) -> dict[str, Any]:
         rng = random.Random(f"{seed}-{trial}")
         exp, log = workdir / f"trial-{trial:03d}", workdir / f"trial-{trial:03d}.log"
         workers = 2 if trial % 4 == 3 else 0  # loader worker processes die with the trainer
+        history = []  # where each start ended: the phase it was killed in, or "finished"
         for k in range(rng.randint(1, 3)):
             pid = _start_training(args(exp, workers), log)
             time.sleep(rng.uniform(0.0, run_seconds * (1.0 if k == 0 else 0.6)))  # a resumed run has less to do
             if _wait_nohang(pid):
                 finished_first += 1
+                history.append("finished")
                 continue
             os.killpg(pid, signal.SIGKILL)
             _wait(pid)
             kills += 1
-            phases[_phase(exp)] += 1
+            history.append(_phase(exp))
+            phases[history[-1]] += 1
         code = _wait(_start_training(args(exp, workers), log))
         text = log.read_text(errors="replace")
         removed += text.count("by a writer that was killed")
         problems = [f"exit status {code}"] if code else _differences(reference, _outcome(exp))
         problems += [f"left {p.relative_to(exp)}" for p in exp.rglob("*.tmp")]
         if problems:
-            failures.append({"trial": trial, "problems": problems, "log": str(log)})
+            failures.append({"trial": trial, "problems": problems, "workers": workers, "starts": history,
+                             "log": str(log)})
     return {"trials": trials, "seed": seed, "kills": kills, "finished_before_the_kill": finished_first,
             "phases": dict(phases),
             "identical": trials - len(failures), "failures": failures, "temporaries_removed": removed,
