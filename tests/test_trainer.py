@@ -198,10 +198,14 @@ def test_a_step_that_ends_an_epoch_is_checkpointed_once_with_its_validation(tmp_
         return original(exp, envelope, **kw)
 
     monkeypatch.setattr(asr.trainer, "save_checkpoint", recording)
-    code = cli.main(["train", "--config", str(TINY), "--train", str(manifest), "--valid", str(manifest),
-                     "--exp-dir", str(tmp_path / "exp"), *QUIET, "training.epochs=2", "training.max_steps=0",
-                     "training.checkpoint_every=1", "data.num_workers=0", "data.max_batch_seconds=1.5",
-                     "training.valid_decode_utts=0"])
+    threads = torch.get_num_threads()  # training in this process sets its own (training.num_threads)
+    try:
+        code = cli.main(["train", "--config", str(TINY), "--train", str(manifest), "--valid", str(manifest),
+                         "--exp-dir", str(tmp_path / "exp"), *QUIET, "training.epochs=2", "training.max_steps=0",
+                         "training.checkpoint_every=1", "data.num_workers=0", "data.max_batch_seconds=1.5",
+                         "training.valid_decode_utts=0"])
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0
     steps = [step for step, _, _ in saved]
     assert len(steps) == len(set(steps)) and steps == list(range(1, steps[-1] + 1)), saved
