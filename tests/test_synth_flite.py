@@ -123,3 +123,34 @@ def test_flite_voices_speak_a_line_into_a_16khz_flac(tmp_path):
         assert 1.0 < len(samples) / 16000 < 6.0 and np.abs(samples).max() > 3000  # speech, not silence
         slow = flite.speak(line, voice, 1.25, folder)
         assert len(slow) > 1.1 * len(samples)
+
+
+def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import argparse
+
+    import learning_check
+
+    calls = fake_flite(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 10)
+    (data / "dev.jsonl").write_text('{"id": "dev-000000"}\n')
+    for u in (json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()):
+        flite.write_flac(data / u["audio"], np.zeros(1600, np.int16), key="espeak")
+    before = {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}
+
+    def run(cmd, log, env=None):  # the Flite step in this process, with the fake Flite
+        assert Path(cmd[1]) == learning_check.FLITE
+        assert flite.main([str(c) for c in cmd[2:]]) == 0
+    monkeypatch.setattr(learning_check, "run", run)
+    args = argparse.Namespace(data=str(data), flite=0.5, jobs=1)
+    out = tmp_path / "check" / "data"
+    assert learning_check.make_data(args, out, tmp_path / "log") == out
+    assert before == {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}  # the given folder as it was
+    assert not (data / "wav" / "train_flite").exists()
+    lines = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert sum(u["speaker"].startswith("flite+") for u in lines) == 5 == len(calls.read_text().splitlines())
+    assert all((out / u["audio"]).is_file() for u in lines) and (out / "dev.jsonl").is_file()
+    assert learning_check.make_data(args, out, tmp_path / "log") == out  # made once: nothing spoken again
+    assert len(calls.read_text().splitlines()) == 5
+    plain = argparse.Namespace(data=str(data), flite=0.0, jobs=1)
+    assert learning_check.make_data(plain, out, tmp_path / "log") == data  # without --flite: the folder itself

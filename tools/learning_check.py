@@ -18,7 +18,9 @@ OUT/learning_check.json.
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite). With --data, that folder's
-   train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them. Made once.
+   train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them; with --data
+   and --flite, a hard-linked copy of the folder in OUT/data is given the Flite lines (the folder
+   itself is left as it is). Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
    (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.
@@ -38,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -76,7 +79,11 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
         for name in ("train.jsonl", "dev.jsonl"):
             if not (folder / name).is_file():
                 sys.exit(f"learning_check: {folder / name}: no such manifest")
-        return folder
+        if not args.flite:
+            return folder
+        if not (data / "train.jsonl").is_file():  # Flite rewrites train.jsonl: a copy, not the given folder
+            linked_copy(folder, data)
+        return with_flite(args, data, log)
     if (data / "train.jsonl").is_file() and (data / "dev.jsonl").is_file():
         if not (data / "dev_synth.jsonl").is_file() and not (data / "dev_synth.skipped").is_file():
             run([sys.executable, FESTIVAL, "dev-set", "--data", data], log)  # a folder made before it
@@ -93,6 +100,22 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
          "--num-dev", args.num_dev, "--num-test", 0, "--seed", args.seed, "--jobs", args.jobs], log)
     run([sys.executable, FESTIVAL, "dev-set", "--data", data], log)  # exits 0 when it skips (said in the log)
     return with_flite(args, data, log)
+
+
+def linked_copy(src: Path, dst: Path) -> None:
+    """src's tree at dst, its files hard-linked (copied across file systems): what is rewritten later
+    (train.jsonl, a FLAC) is replaced by a rename, never written through a link into src."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=link)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
 
 
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
