@@ -3,9 +3,11 @@ Flite speaks, with which voices, that the manifest's other lines and a re-run ar
 were, and the real Flite when it can be fetched."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections import Counter
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +21,17 @@ import flite  # noqa: E402
 
 # a fake tools/flite.sh: `run DIR -voice V --setf duration_stretch=S -t TEXT -o OUT` writes a tone
 # of 0.1 s per character at 16 kHz (8 kHz for the voice "rms", to be resampled) and logs the call
+# (voice, stretch, the F0 setting when given, text)
 FAKE = """\
 import sys
 import numpy as np, soundfile as sf
 args = sys.argv[1:]
+pitch = args[6:8] if args[6] == '--setf' else []
+if pitch:
+    assert pitch[1].startswith('int_f0_target_mean=')
+    del args[6:8]
 assert args[0] == 'run' and args[2] == '-voice' and args[4] == '--setf' and args[6] == '-t' and args[8] == '-o'
-open(__file__ + '.calls', 'a').write(' '.join([args[3], args[5], args[7]]) + '\\n')
+open(__file__ + '.calls', 'a').write(' '.join([args[3], args[5], *pitch[1:], args[7]]) + '\\n')
 rate = 8000 if args[3] == 'rms' else 16000
 t = np.arange(int(0.1 * rate * len(args[7]))) / rate
 sf.write(args[9], (6000 * np.sin(2 * np.pi * 300 * t)).astype(np.int16), rate)
@@ -60,6 +67,30 @@ def test_plan_chooses_the_fraction_with_the_seed_and_deals_every_voice():
     assert 0 < sum(u.lead == 0.0 for u in a) < 50  # some trimmed edges, as eSpeak's training lines
     assert flite.plan(train, 0.0, 0) == [] and len(flite.plan(train, 1.0, 0)) == 400
     assert "ked" not in " ".join(flite.VOICES)  # dev_synth's voice stays unheard
+
+
+def test_pitch_draws_a_mean_f0_per_line_and_leaves_the_other_draws_and_keys_alone(tmp_path, monkeypatch):
+    train = [{"id": f"train-{i:06d}", "text": f"T {i}"} for i in range(200)]
+    plain, pitched = flite.plan(train, 0.5, seed=0), flite.plan(train, 0.5, seed=0, pitch=(0.75, 1.35))
+    assert [replace(u, f0=0.0) for u in pitched] == plain  # the same lines, voices, speeds, edges, noise
+    assert all(u.f0 == 0.0 for u in plain) and all(u.f0 == 0.0 for u in pitched if u.voice == "rms")
+    for u in (u for u in pitched if u.voice != "rms"):
+        assert 0.75 * flite.VOICE_F0[u.voice] - 0.5 <= u.f0 <= 1.35 * flite.VOICE_F0[u.voice] + 0.5
+    assert len({u.f0 for u in pitched}) > 20 and pitched == flite.plan(train, 0.5, seed=0, pitch=(0.75, 1.35))
+    # a key without --pitch is the one of before the option: FLACs made then are kept
+    u = plain[0]
+    old = json.dumps({k: v for k, v in asdict(u).items() if k != "f0"} | {"engine": "flite"}, sort_keys=True)
+    assert u.key == hashlib.sha1(old.encode()).hexdigest() != replace(u, f0=100.0).key
+
+    calls = fake_flite(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 8)
+    args = ["train", "--data", str(data), "--fraction", "1", "--flite-dir", "DIR", "--jobs", "1"]
+    assert flite.main([*args, "--pitch", "0.8", "1.2"]) == 0
+    said = calls.read_text().splitlines()
+    assert sum("int_f0_target_mean=" in line for line in said) == 6  # 2 of the 8 lines are rms's
+    assert json.loads((data / "corpus.json").read_text())["flite"]["pitch"] == [0.8, 1.2]
+    with pytest.raises(SystemExit):
+        flite.main([*args, "--pitch", "1.2", "0.8"])
 
 
 def test_train_lines_are_rewritten_to_flite_and_a_rerun_changes_nothing(tmp_path, monkeypatch, capsys):

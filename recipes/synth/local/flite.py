@@ -2,12 +2,12 @@
 again by CMU Flite (Debian's flite: kal16, a diphone voice, and awb, rms and slt, statistical
 parametric voices), so that the model does not learn eSpeak's formant sound as speech itself.
 
-    python local/flite.py train --data DATA --fraction F [--flite-dir DIR] [--seed S] [--jobs J]
+    python local/flite.py train --data DATA --fraction F [--pitch LO HI] [--flite-dir DIR] [--seed S] [--jobs J]
     python local/flite.py say "SOME TEXT" OUT.flac [--voice V] [--flite-dir DIR]
 
 `train` reads DATA/train.jsonl (as synthesize.py wrote it), chooses round(F x N) of its utterances
 with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice dealt from shuffled
-decks and a speed (duration_stretch) drawn per utterance, with the training edges and noise floor
+decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with the training edges and noise floor
 (synthesize.TRIMMED_EDGE, with_edges_and_noise), into DATA/wav/train_flite/<id>.flac, and rewrites
 those lines of train.jsonl (audio, duration, speaker "flite+<voice>"); the text and id stay. Each is
 given the text eSpeak was given (festival.festival_text). train_words.jsonl keeps eSpeak's word
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,9 @@ FLITE_SH = Path(__file__).resolve().parents[3] / "tools" / "flite.sh"
 # duration_stretch (larger is slower; 1 is the voice's own, ~160-180 words per minute), spanning
 # about eSpeak's 130-200 (synthesize.RATE_WPM)
 DURATION_STRETCH = (0.85, 1.25)
+# each voice's own mean F0 (Hz, measured) for --pitch, which sets int_f0_target_mean to it times a
+# drawn factor; rms keeps its own pitch (it ignores the setting)
+VOICE_F0 = {"kal16": 95.0, "awb": 120.0, "slt": 165.0}
 
 
 class FliteError(RuntimeError):
@@ -79,13 +82,15 @@ def fetch(folder: Path) -> Path:
     return folder
 
 
-def speak(text: str, voice: str, stretch: float, folder: Path) -> np.ndarray:
-    """`text` (a manifest text) spoken by `voice`: (T,) float32 at SAMPLE_RATE in int16 units."""
+def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) -> np.ndarray:
+    """`text` (a manifest text) spoken by `voice` (at mean F0 `f0` Hz, 0: the voice's own): (T,)
+    float32 at SAMPLE_RATE in int16 units."""
+    pitch = ["--setf", f"int_f0_target_mean={f0:g}"] if f0 else []
     with tempfile.TemporaryDirectory(prefix="asr-flite-") as tmp:
         wav = Path(tmp) / "out.wav"
         try:
             done = subprocess.run(["bash", str(FLITE_SH), "run", str(folder), "-voice", voice,
-                                   "--setf", f"duration_stretch={stretch}", "-t", festival_text(text),
+                                   "--setf", f"duration_stretch={stretch}", *pitch, "-t", festival_text(text),
                                    "-o", str(wav)], capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise FliteError(f"flite: {e}") from None
@@ -108,6 +113,7 @@ class Utt:
     lead: float  # seconds of silence before the speech
     tail: float  # and after
     snr_db: float  # noise floor, as synthesize.Utt's
+    f0: float = 0.0  # mean F0 in Hz (--pitch); 0: the voice's own
 
     @property
     def audio(self) -> str:
@@ -116,13 +122,17 @@ class Utt:
     @property
     def key(self) -> str:
         """Digest of everything that shapes the audio, stored in the FLAC."""
-        return hashlib.sha1(json.dumps({**asdict(self), "engine": "flite"}, sort_keys=True).encode()).hexdigest()
+        shape = {k: v for k, v in asdict(self).items() if k != "f0" or v}  # without --pitch, the keys of before
+        return hashlib.sha1(json.dumps({**shape, "engine": "flite"}, sort_keys=True).encode()).hexdigest()
 
 
-def plan(train: list[dict], fraction: float, seed: int) -> list[Utt]:
+def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, float] | None = None) -> list[Utt]:
     """round(fraction x len(train)) of the training utterances (a seeded choice, in id order), each
-    with its voice (shuffled decks of VOICES), speed, edges and noise drawn from the seed."""
+    with its voice (shuffled decks of VOICES), speed, edges and noise drawn from the seed; with
+    `pitch` (lo, hi), the voices of VOICE_F0 speak at their own mean F0 times a factor drawn in it
+    (from a stream of its own: the other draws are those made without it)."""
     rng = random.Random(f"synth-flite:{seed}")
+    pitch_rng = random.Random(f"synth-flite-pitch:{seed}")
     ordered = sorted(train, key=lambda u: u["id"])
     chosen = sorted(rng.sample(range(len(ordered)), round(fraction * len(ordered))))
 
@@ -134,9 +144,14 @@ def plan(train: list[dict], fraction: float, seed: int) -> list[Utt]:
     for i in chosen:
         if not deck:
             deck = rng.sample(VOICES, len(VOICES))
-        utts.append(Utt(id=ordered[i]["id"], text=ordered[i]["text"], voice=deck.pop(),
-                        stretch=round(rng.uniform(*DURATION_STRETCH), 3), lead=edge(), tail=edge(),
-                        snr_db=round(rng.uniform(*NOISE_SNR_DB), 1)))
+        u = Utt(id=ordered[i]["id"], text=ordered[i]["text"], voice=deck.pop(),
+                stretch=round(rng.uniform(*DURATION_STRETCH), 3), lead=edge(), tail=edge(),
+                snr_db=round(rng.uniform(*NOISE_SNR_DB), 1))
+        if pitch:
+            factor = pitch_rng.uniform(*pitch)
+            if u.voice in VOICE_F0:
+                u = replace(u, f0=round(VOICE_F0[u.voice] * factor))
+        utts.append(u)
     return utts
 
 
@@ -145,7 +160,7 @@ def _render(data: Path, folder: Path, u: Utt) -> int:
     frames = existing_frames(data / u.audio, u.key)
     if frames is None:
         try:
-            y = speak(u.text, u.voice, u.stretch, folder)
+            y = speak(u.text, u.voice, u.stretch, folder, u.f0)
         except FliteError as e:
             raise FliteError(f"{u.id}: {e}") from None
         samples = with_edges_and_noise(y, u.lead, u.tail, u.snr_db, u.key)
@@ -154,7 +169,8 @@ def _render(data: Path, folder: Path, u: Utt) -> int:
     return frames
 
 
-def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None = None, jobs: int = 1) -> list[Utt]:
+def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None = None, jobs: int = 1,
+                   pitch: tuple[float, float] | None = None) -> list[Utt]:
     """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl (module docstring)."""
     manifest = data / "train.jsonl"
     lines = []
@@ -169,7 +185,7 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
     card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     if seed is None:
         seed = card.get("seed", 0)
-    utts = plan(lines, fraction, seed)
+    utts = plan(lines, fraction, seed, pitch)
     todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
     if todo:
         fetch(folder)
@@ -183,7 +199,8 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
                 line = {**line, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE, "speaker": f"flite+{u.voice}"}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     if card:
-        card["flite"] = {"fraction": fraction, "voices": list(VOICES), "utterances": len(utts)}
+        card["flite"] = {"fraction": fraction, "voices": list(VOICES), "utterances": len(utts),
+                         **({"pitch": list(pitch)} if pitch else {})}
         with atomic_open(card_path) as f:
             f.write(json.dumps(card, indent=1) + "\n")
     print(f"flite: {len(utts)} of {len(lines)} training utterances spoken by Flite ({', '.join(VOICES)}) in "
@@ -200,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fraction", type=float, required=True, help="of the training utterances, in [0, 1]")
     p.add_argument("--seed", type=int, help="default: DATA/corpus.json's, else 0")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="flite processes at a time")
+    p.add_argument("--pitch", type=float, nargs=2, metavar=("LO", "HI"),
+                   help="mean F0 of kal16, awb and slt: their own times a factor drawn per line in [LO, HI]")
     q = sub.add_parser("say", help="speak one text into a 16 kHz FLAC")
     q.add_argument("text")
     q.add_argument("out", type=Path)
@@ -217,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not 0.0 <= args.fraction <= 1.0:
             parser.error("--fraction must be within [0, 1]")
-        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs)
+        if args.pitch and not 0 < args.pitch[0] <= args.pitch[1]:
+            parser.error("--pitch LO HI: 0 < LO <= HI")
+        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs, tuple(args.pitch or ()) or None)
     except (FliteError, OSError, ValueError, KeyError) as e:
         print(f"flite: error: {e}", file=sys.stderr)
         return 1
