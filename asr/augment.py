@@ -1,11 +1,11 @@
-"""Acoustic augmentation on the fly: additive noise, reverberation and spectral warping, each
+"""Acoustic augmentation on the fly: additive noise, reverberation, spectral warping and gain, each
 drawn per utterance from (seed, epoch, index), so that an utterance gets the same draw in any
 batch, on any rank and after a resume (as SpecAugment's masks and the dither do).
 
     augmenter = Augmenter(AugmentConfig(noise=NoiseConfig(prob=0.5)), seed=0, other=wave_of, size=n)
     draw = augmenter.draw(epoch, index)            # what happens to utterance `index` this epoch
     wave = augmenter.wave(wave, draw)              # (N,) 16 kHz: reverberation, then noise
-    feats = augmenter.features(feats, draw)        # (..., T, n_mels) log-mels warped, before CMVN
+    feats = augmenter.features(feats, draw)        # (..., T, n_mels) log-mels warped and gained, before CMVN
 
 ASRDataset (asr.dataset) applies it in training when `data.augment` turns something on.
 
@@ -17,7 +17,10 @@ ASRDataset (asr.dataset) applies it in training when `data.augment` turns someth
   by FFT convolution, aligned at the direct path, at the dry signal's power;
 - warp: the log-mel bins resampled so that a tone at f Hz appears at factor x f (vocal-tract
   length perturbation on the mel axis), the factor drawn in `factor` and quantised to `step`;
-  it works on features computed on the fly and on dumped ones alike.
+  it works on features computed on the fly and on dumped ones alike;
+- gain: the level changed by a gain drawn in `gain.db` decibels, as the log-mels shifted by it
+  (what scaling the waveform does to them, but for the dither and the energy floor): the model
+  hears speech louder or softer than its corpus's, on dumped features too.
 All are off (probability 0) unless a config turns them on.
 """
 from __future__ import annotations
@@ -90,12 +93,23 @@ class WarpConfig:
 
 
 @dataclass(frozen=True)
+class GainConfig:
+    prob: float = 0.0  # chance that an utterance's level is changed
+    db: tuple[float, float] = (-10.0, 10.0)  # gain in decibels drawn uniformly in this range
+
+    def __post_init__(self) -> None:
+        _check_prob("gain", self.prob)
+        _check_range("gain.db", self.db, low=-60.0, high=60.0)
+
+
+@dataclass(frozen=True)
 class AugmentConfig:
     """The `data.augment` section (training only)."""
 
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     reverb: ReverbConfig = field(default_factory=ReverbConfig)
     warp: WarpConfig = field(default_factory=WarpConfig)
+    gain: GainConfig = field(default_factory=GainConfig)
 
     @property
     def on_waves(self) -> bool:
@@ -104,7 +118,12 @@ class AugmentConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.on_waves or self.warp.prob > 0
+        return self.on_waves or self.on_features
+
+    @property
+    def on_features(self) -> bool:
+        """Warp or gain may apply: they act on the log-mels (dumped ones too)."""
+        return self.warp.prob > 0 or self.gain.prob > 0
 
 
 def _check_prob(name: str, p: float) -> None:
@@ -127,6 +146,7 @@ class Draw(NamedTuple):
     rt60: float | None  # simulated reverberation's RT60; None: no reverberation
     rir_pick: float  # [0, 1): which impulse-response file (reverb.folder)
     warp: float  # frequency factor, 1.0 = none
+    gain_db: float = 0.0  # level change in decibels, 0.0 = none
 
 
 class Augmenter:
@@ -146,7 +166,7 @@ class Augmenter:
     def draw(self, epoch: int, index: int) -> Draw:
         """Utterance `index`'s draw in `epoch`: a function of (seed, epoch, index) alone."""
         seed = derive_seed(self.seed, epoch, index, _STREAM)
-        u = torch.rand(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).tolist()
+        u = torch.rand(11, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).tolist()
         c = self.config
         noise = None
         if u[0] < c.noise.prob:
@@ -160,8 +180,11 @@ class Augmenter:
             lo, hi = c.warp.factor
             warp = round((lo + u[7] * (hi - lo)) / c.warp.step) * c.warp.step
             warp = min(max(warp, lo), hi)
+        gain = 0.0
+        if u[9] < c.gain.prob:
+            gain = c.gain.db[0] + u[10] * (c.gain.db[1] - c.gain.db[0])
         snr = c.noise.snr_db[0] + u[2] * (c.noise.snr_db[1] - c.noise.snr_db[0])
-        return Draw(seed, noise, snr, u[5], rt60, u[8], warp)
+        return Draw(seed, noise, snr, u[5], rt60, u[8], warp, gain)
 
     def wave(self, wave: torch.Tensor, draw: Draw) -> torch.Tensor:
         """(N,) float32 16 kHz: reverberated, then with noise added, as the draw says."""
@@ -176,8 +199,10 @@ class Augmenter:
         return wave
 
     def features(self, feats: torch.Tensor, draw: Draw) -> torch.Tensor:
-        """Log-mel features (..., T, n_mels) warped as the draw says (`warp_mels`)."""
-        return warp_mels(feats, draw.warp)
+        """Log-mel features (..., T, n_mels) warped and gained as the draw says (`warp_mels`,
+        `gain_offset`)."""
+        feats = warp_mels(feats, draw.warp)
+        return feats + gain_offset(draw.gain_db) if draw.gain_db else feats
 
     def _noise(self, draw: Draw, n: int, g: torch.Generator) -> torch.Tensor:
         if draw.noise == "file":
@@ -272,6 +297,11 @@ def reverberate(wave: torch.Tensor, rir: torch.Tensor, *, keep_power: bool = Fal
         if p_out > 0:
             out = out * torch.sqrt(wave.double().square().mean() / p_out)
     return out.float()
+
+
+def gain_offset(db: float) -> float:
+    """What a gain of `db` decibels adds to a log (natural) power: ln(10^(db / 10))."""
+    return db * math.log(10.0) / 10.0
 
 
 def _mel(f: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The feature frontend on the training device (data.frontend = "device"): loader workers only
 decode audio into WaveBatches (asr.dataset.collate_waves), and the training step turns their
 waveforms into features where the model runs: fbank (with dither in training), spectral warping
-(data.augment.warp), CMVN, SpecAugment.
+and gain (data.augment.warp, .gain), CMVN, SpecAugment.
 
     frontend = DeviceFrontend(FeatureConfig(), CMVNStats.load("cmvn.json"), SpecAugmentConfig(), seed=0,
                               augment=AugmentConfig(warp=WarpConfig(prob=0.5))).to(device)
@@ -15,16 +15,17 @@ utterance gets the same dither and masks whatever batch it falls in, and a resum
 - SpecAugment: CPU generators draw each utterance's few numbers (2 per mask or warp), copied to the
   device as one (B, K) tensor, and the masks are built there: the same masks on any device (a CPU
   generator's stream is the same everywhere), at the cost of B small host draws, not B kernel launches.
-- warp: each utterance's factor is ASRDataset's (asr.augment.Augmenter.draw of the same seed, epoch
-  and index), applied to the log-mels before CMVN as the dataset applies it, by one gather whose
-  tables are copied over without a wait. (Noise and reverberation are the loader workers': they
-  change the waveform, which is what the workers send.)
+- warp and gain: each utterance's factor and gain are ASRDataset's (asr.augment.Augmenter.draw of the
+  same seed, epoch and index), applied to the log-mels before CMVN as the dataset applies them, by
+  one gather whose tables are copied over without a wait, and one (B,) shift copied the same way.
+  (Noise and reverberation are the loader workers': they change the waveform, which is what the
+  workers send.)
 """
 from __future__ import annotations
 
 import torch
 
-from asr.augment import AugmentConfig, Augmenter, warp_rows
+from asr.augment import AugmentConfig, Augmenter, gain_offset, warp_rows
 from asr.dataset import derive_seed
 from asr.features import (
     CMVNStats,
@@ -54,7 +55,7 @@ class DeviceFrontend(torch.nn.Module):
                  specaug: SpecAugmentConfig | None = None, seed: int = 0, augment: AugmentConfig | None = None):
         super().__init__()
         self.features, self.specaug, self.seed = features, specaug, seed
-        self.augmenter = Augmenter(augment, seed) if augment is not None and augment.warp.prob > 0 else None
+        self.augmenter = Augmenter(augment, seed) if augment is not None and augment.on_features else None
         self.cmvn = GlobalCMVN(cmvn) if isinstance(cmvn, CMVNStats) else cmvn
 
     def forward(self, waves: torch.Tensor, wave_lens: torch.Tensor, indices: torch.Tensor, epoch: int,
@@ -71,7 +72,11 @@ class DeviceFrontend(torch.nn.Module):
                 dither = [torch.Generator(waves.device).manual_seed(derive_seed(self.seed, epoch, i)) for i in keys]
             feats, feat_lens = batched_fbank(waves, wave_lens, self.features, training=training, generators=dither)
             if training and self.augmenter is not None:
-                feats = warp_rows(feats, [self.augmenter.draw(epoch, i).warp for i in keys])
+                draws = [self.augmenter.draw(epoch, i) for i in keys]
+                feats = warp_rows(feats, [d.warp for d in draws])
+                if any(d.gain_db for d in draws):  # made on the host: a copy to the device, no sync
+                    shift = torch.tensor([gain_offset(d.gain_db) for d in draws], dtype=feats.dtype)
+                    feats = feats + shift.to(feats.device, non_blocking=True)[:, None, None]
             if self.cmvn is not None:
                 padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]  # (B, T)
                 feats = self.cmvn(feats).masked_fill_(padded[:, :, None], 0.0)

@@ -11,11 +11,13 @@ import torch
 from asr.augment import (
     AugmentConfig,
     Augmenter,
+    GainConfig,
     NoiseConfig,
     ReverbConfig,
     WarpConfig,
     add_noise,
     colored_noise,
+    gain_offset,
     reverberate,
     simulated_rir,
     warp_mels,
@@ -23,7 +25,8 @@ from asr.augment import (
 from asr.config import ConfigError, from_dict
 from asr.features import FeatureConfig, fbank
 
-ALL_ON = AugmentConfig(noise=NoiseConfig(prob=0.7), reverb=ReverbConfig(prob=0.5), warp=WarpConfig(prob=0.6))
+ALL_ON = AugmentConfig(noise=NoiseConfig(prob=0.7), reverb=ReverbConfig(prob=0.5), warp=WarpConfig(prob=0.6),
+                       gain=GainConfig(prob=0.5))
 
 
 def _voice(index: int) -> torch.Tensor:
@@ -45,6 +48,8 @@ def test_augmentation_draws_are_per_utterance_and_reproducible():
     assert {None, "babble"} <= kinds and len(kinds) >= 3, kinds  # each probability acts
     assert any(d.rt60 is None for d in forward) and any(d.rt60 is not None for d in forward)
     assert any(d.warp == 1.0 for d in forward) and len({d.warp for d in forward}) > 2
+    assert any(d.gain_db == 0.0 for d in forward) and all(-10 <= d.gain_db <= 10 for d in forward)
+    assert len({d.gain_db for d in forward}) > 10
     for i in range(12):
         draw = forward[i]
         a = one.wave(_voice(i), draw)
@@ -53,7 +58,12 @@ def test_augmentation_draws_are_per_utterance_and_reproducible():
         assert a.shape == _voice(i).shape
         assert torch.equal(a, _voice(i)) == (draw.noise is None and draw.rt60 is None)
     off = Augmenter(AugmentConfig(), seed=3)
-    assert all(d.noise is None and d.rt60 is None and d.warp == 1.0 for d in (off.draw(0, i) for i in range(20)))
+    assert all(d.noise is None and d.rt60 is None and d.warp == 1.0 and d.gain_db == 0.0
+               for d in (off.draw(0, i) for i in range(20)))
+    # turning the gain on leaves the other draws as they were
+    no_gain = Augmenter(AugmentConfig(noise=ALL_ON.noise, reverb=ALL_ON.reverb, warp=ALL_ON.warp), seed=3,
+                        other=_voice, size=50)
+    assert [d._replace(gain_db=0.0) for d in forward] == [no_gain.draw(2, i) for i in range(40)]
 
 
 def test_warp_factors_are_quantised_within_the_range():
@@ -154,13 +164,29 @@ def test_babble_and_files(tmp_path):
         Augmenter(AugmentConfig(reverb=ReverbConfig(prob=1.0, folder=str(tmp_path / "empty"))), seed=0)
 
 
+@pytest.mark.parametrize("db", [-9.0, 6.0])
+def test_gain_shifts_the_log_mels_as_scaling_the_waveform_does(db):
+    """A tone scaled by `db` decibels has log-mels `gain_offset(db)` above the tone's (no dither; to
+    float rounding in the quiet bins), and the augmenter's gain is that shift."""
+    t = torch.arange(16000) / 16000.0
+    tone = (0.1 * torch.sin(2 * math.pi * 440 * t) + 0.05 * torch.sin(2 * math.pi * 2500 * t)).float()
+    plain = fbank(tone, FeatureConfig(dither=0.0))
+    louder = fbank(tone * 10 ** (db / 20), FeatureConfig(dither=0.0))
+    assert gain_offset(db) == pytest.approx(db / 10 * math.log(10))
+    torch.testing.assert_close(louder - plain, torch.full_like(plain, gain_offset(db)), rtol=0, atol=0.02)
+    augmenter = Augmenter(AugmentConfig(gain=GainConfig(prob=1.0, db=(db, db))), seed=0)
+    draw = augmenter.draw(0, 0)
+    assert draw.gain_db == db and draw.warp == 1.0
+    torch.testing.assert_close(augmenter.features(plain, draw), louder, rtol=0, atol=0.02)
+
+
 def test_augment_config_reads_and_checks_its_values():
     config = from_dict(AugmentConfig, {"noise": {"prob": 0.5, "snr_db": [0, 15], "kinds": ["pink"]},
                                        "warp": {"prob": 0.3}}, source="c.yaml", prefix="data.augment.")
     assert config.noise.snr_db == (0, 15) and config.noise.kinds == ("pink",) and config.enabled
     assert not AugmentConfig().enabled
     for bad in ({"noise": {"prob": 2}}, {"noise": {"kinds": ["rain"]}}, {"warp": {"factor": [1.2, 1.1]}},
-                {"reverb": {"rt60": [0, 1]}}):
+                {"reverb": {"rt60": [0, 1]}}, {"gain": {"db": [5, -5]}}, {"gain": {"prob": -0.1}}):
         with pytest.raises(ConfigError, match="c.yaml"):
             from_dict(AugmentConfig, bad, source="c.yaml", prefix="data.augment.")
 
@@ -189,7 +215,7 @@ def test_the_dataset_augments_training_utterances_per_epoch_and_index(tmp_path):
     clean = dataset(augment=None)
     changed = [not torch.equal(a.get(i, 0).feats, clean.get(i, 0).feats) for i in range(6)]
     draws = [a.augmenter.draw(0, i) for i in range(6)]
-    assert changed == [d.noise is not None or d.rt60 is not None or d.warp != 1.0 for d in draws]
+    assert changed == [d.noise is not None or d.rt60 is not None or d.warp != 1.0 or d.gain_db != 0 for d in draws]
     assert any(changed)
     assert dataset(training=False).augmenter is None
 
