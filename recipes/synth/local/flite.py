@@ -7,10 +7,11 @@ parametric voices), so that the model does not learn eSpeak's formant sound as s
 
 `train` reads DATA/train.jsonl (as synthesize.py wrote it), chooses round(F x N) of its utterances
 with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice dealt from shuffled
-decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with the training edges and noise floor
-(synthesize.TRIMMED_EDGE, with_edges_and_noise), into DATA/wav/train_flite/<id>.flac, and rewrites
-those lines of train.jsonl (audio, duration, speaker "flite+<voice>"); the text and id stay. Each is
-given the text eSpeak was given (festival.festival_text). train_words.jsonl keeps eSpeak's word
+decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with
+the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
+DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
+"flite+<voice>"); the text and id stay. Each is given the text eSpeak was given
+(festival.festival_text). train_words.jsonl keeps eSpeak's word
 starts of wav/train: it is not the truth of a Flite line. DATA/corpus.json records the fraction
 and the voices. A FLAC whose stored plan key matches is kept on a re-run, and applying the same
 fraction again to a train.jsonl it already rewrote changes nothing. Festival's ked, the unseen
