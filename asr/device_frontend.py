@@ -77,6 +77,9 @@ class DeviceFrontend(torch.nn.Module):
                 if any(d.gain_db for d in draws):  # made on the host: a copy to the device, no sync
                     shift = torch.tensor([gain_offset(d.gain_db) for d in draws], dtype=feats.dtype)
                     feats = feats + shift.to(feats.device, non_blocking=True)[:, None, None]
+                    if self.cmvn is None:  # padded frames stay zero
+                        padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]
+                        feats = feats.masked_fill_(padded[:, :, None], 0.0)
             if self.cmvn is not None:
                 padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]  # (B, T)
                 feats = self.cmvn(feats).masked_fill_(padded[:, :, None], 0.0)

@@ -144,6 +144,9 @@ def test_the_device_frontends_warp_is_the_datasets(corpus, one_thread):
         assert torch.equal(feats[b], plain[b]) == (f == 1.0 and g == 0.0)
     evaluation, _ = frontend(batch.waves, batch.wave_lens, batch.indices, batch.epoch, training=False)
     assert torch.equal(evaluation, plain)  # no warp outside training (and no dither: 0 here)
+    bare, bare_lens = DeviceFrontend(features, None, None, seed=3, augment=augment)(
+        batch.waves, batch.wave_lens, batch.indices, 2, True)  # no CMVN: padded frames are zero all the same
+    assert all(not bare[b, bare_lens[b]:].any() for b in range(4)) and (bare_lens < bare.shape[1]).any()
 
 
 # ----------------------------------------------------------------------------- SpecAugment
