@@ -77,12 +77,10 @@ class DeviceFrontend(torch.nn.Module):
                 if any(d.gain_db for d in draws):  # made on the host: a copy to the device, no sync
                     shift = torch.tensor([gain_offset(d.gain_db) for d in draws], dtype=feats.dtype)
                     feats = feats + shift.to(feats.device, non_blocking=True)[:, None, None]
-                    if self.cmvn is None:  # padded frames stay zero
-                        padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]
-                        feats = feats.masked_fill_(padded[:, :, None], 0.0)
             if self.cmvn is not None:
-                padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]  # (B, T)
-                feats = self.cmvn(feats).masked_fill_(padded[:, :, None], 0.0)
+                feats = self.cmvn(feats)
+            padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]  # (B, T)
+            feats = feats.masked_fill_(padded[:, :, None], 0.0)  # the gain and CMVN reach them too
             if training and self.specaug is not None:
                 masks = [torch.Generator().manual_seed(derive_seed(self.seed, epoch, i, _SPECAUG_STREAM)) for i in keys]
                 host_lens = frame_lengths(wave_lens.cpu(), self.features)  # checked there without a sync

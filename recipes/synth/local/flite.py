@@ -11,8 +11,8 @@ decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
 "flite+<voice>"); the text and id stay. Each is given the text eSpeak was given
-(festival.festival_text). train_words.jsonl keeps eSpeak's word
-starts of wav/train: it is not the truth of a Flite line. DATA/corpus.json records the fraction
+(festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is not the
+truth of a Flite line. DATA/corpus.json records the fraction
 and the voices. A FLAC whose stored plan key matches is kept on a re-run, and applying the same
 fraction again to a train.jsonl it already rewrote changes nothing. Festival's ked, the unseen
 synthesizer of dev_synth (local/festival.py), is not one of these voices, nor is Festival (the
@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--fraction must be within [0, 1]")
         if args.pitch and not 0 < args.pitch[0] <= args.pitch[1]:
             parser.error("--pitch LO HI: 0 < LO <= HI")
-        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs, tuple(args.pitch or ()) or None)
+        pitch = tuple(args.pitch) if args.pitch else None
+        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs, pitch)
     except (FliteError, OSError, ValueError, KeyError) as e:
         print(f"flite: error: {e}", file=sys.stderr)
         return 1
