@@ -173,7 +173,7 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
         assert Path(cmd[1]) == learning_check.FLITE
         assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
-    args = argparse.Namespace(data=str(data), flite=0.5, jobs=1)
+    args = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=None, jobs=1)
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert before == {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}  # the given folder as it was
@@ -183,5 +183,10 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
     assert all((out / u["audio"]).is_file() for u in lines) and (out / "dev.jsonl").is_file()
     assert learning_check.make_data(args, out, tmp_path / "log") == out  # made once: nothing spoken again
     assert len(calls.read_text().splitlines()) == 5
-    plain = argparse.Namespace(data=str(data), flite=0.0, jobs=1)
+    plain = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, jobs=1)
     assert learning_check.make_data(plain, out, tmp_path / "log") == data  # without --flite: the folder itself
+    pitched = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=[0.8, 1.2], jobs=1)
+    other = tmp_path / "pitched" / "data"
+    assert learning_check.make_data(pitched, other, tmp_path / "log") == other
+    assert sum("int_f0_target_mean=" in line for line in calls.read_text().splitlines()[5:]) > 0
+    assert json.loads((other / "corpus.json").read_text())["flite"]["pitch"] == [0.8, 1.2]
