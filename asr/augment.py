@@ -1,11 +1,12 @@
-"""Acoustic augmentation on the fly: additive noise, reverberation, spectral warping and gain, each
+"""Acoustic augmentation on the fly: additive noise, reverberation, spectral warping, gain and
+equalisation, each
 drawn per utterance from (seed, epoch, index), so that an utterance gets the same draw in any
 batch, on any rank and after a resume (as SpecAugment's masks and the dither do).
 
     augmenter = Augmenter(AugmentConfig(noise=NoiseConfig(prob=0.5)), seed=0, other=wave_of, size=n)
     draw = augmenter.draw(epoch, index)            # what happens to utterance `index` this epoch
     wave = augmenter.wave(wave, draw)              # (N,) 16 kHz: reverberation, then noise
-    feats = augmenter.features(feats, draw)        # (..., T, n_mels) log-mels warped and gained, before CMVN
+    feats = augmenter.features(feats, draw)        # (..., T, n_mels) log-mels warped and shifted, before CMVN
 
 ASRDataset (asr.dataset) applies it in training when `data.augment` turns something on.
 
@@ -20,7 +21,11 @@ ASRDataset (asr.dataset) applies it in training when `data.augment` turns someth
   it works on features computed on the fly and on dumped ones alike;
 - gain: the level changed by a gain drawn in `gain.db` decibels, as the log-mels shifted by it
   (what scaling the waveform does to them, but for the dither and the energy floor): the model
-  hears speech louder or softer than its corpus's, on dumped features too.
+  hears speech louder or softer than its corpus's, on dumped features too;
+- eq: the spectral balance changed by a smooth curve along the mel axis, the sum of `eq.terms`
+  cosines (1: a tilt; more: broad bumps and dips) with amplitudes drawn in +-`eq.db` decibels,
+  added to the log-mels (a filter's response, as another microphone or synthesizer imposes); the
+  curve's mean is zero, so the level is the gain's alone.
 All are off (probability 0) unless a config turns them on.
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 from asr.audio import SAMPLE_RATE, load_audio
 
 _STREAM = 0xA06  # the augmentation's own random stream beside the dither's and SpecAugment's
+_EQ_STREAM = 0xE0  # the equaliser's, drawn apart so that turning it on leaves the other draws alone
 NOISE_KINDS = ("white", "pink", "brown", "babble")
 _AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3", ".sph")  # files read from the noise and RIR folders
 
@@ -103,6 +109,19 @@ class GainConfig:
 
 
 @dataclass(frozen=True)
+class EqConfig:
+    prob: float = 0.0  # chance that an utterance's spectral balance is changed
+    db: float = 4.0  # each cosine's amplitude in decibels, drawn uniformly in [-db, db]
+    terms: int = 4  # cosines along the mel axis (1: a tilt); fewer is smoother
+
+    def __post_init__(self) -> None:
+        _check_prob("eq", self.prob)
+        if not 0.0 <= self.db <= 30.0 or not 1 <= self.terms <= 8:
+            raise ValueError(f"augment.eq needs 0 <= db <= 30 and 1 <= terms <= 8, got db {self.db}, "
+                             f"terms {self.terms}")
+
+
+@dataclass(frozen=True)
 class AugmentConfig:
     """The `data.augment` section (training only)."""
 
@@ -110,6 +129,7 @@ class AugmentConfig:
     reverb: ReverbConfig = field(default_factory=ReverbConfig)
     warp: WarpConfig = field(default_factory=WarpConfig)
     gain: GainConfig = field(default_factory=GainConfig)
+    eq: EqConfig = field(default_factory=EqConfig)
 
     @property
     def on_waves(self) -> bool:
@@ -122,8 +142,8 @@ class AugmentConfig:
 
     @property
     def on_features(self) -> bool:
-        """Warp or gain may apply: they act on the log-mels (dumped ones too)."""
-        return self.warp.prob > 0 or self.gain.prob > 0
+        """Warp, gain or eq may apply: they act on the log-mels (dumped ones too)."""
+        return self.warp.prob > 0 or self.gain.prob > 0 or self.eq.prob > 0
 
 
 def _check_prob(name: str, p: float) -> None:
@@ -147,6 +167,7 @@ class Draw(NamedTuple):
     rir_pick: float  # [0, 1): which impulse-response file (reverb.folder)
     warp: float  # frequency factor, 1.0 = none
     gain_db: float = 0.0  # level change in decibels, 0.0 = none
+    eq_db: tuple[float, ...] = ()  # the equaliser's cosine amplitudes in decibels, () = none
 
 
 class Augmenter:
@@ -184,7 +205,13 @@ class Augmenter:
         if u[9] < c.gain.prob:
             gain = c.gain.db[0] + u[10] * (c.gain.db[1] - c.gain.db[0])
         snr = c.noise.snr_db[0] + u[2] * (c.noise.snr_db[1] - c.noise.snr_db[0])
-        return Draw(seed, noise, snr, u[5], rt60, u[8], warp, gain)
+        eq: tuple[float, ...] = ()
+        if c.eq.prob > 0:
+            v = torch.rand(1 + c.eq.terms, generator=torch.Generator().manual_seed(derive_seed(seed, _EQ_STREAM)),
+                           dtype=torch.float64).tolist()
+            if v[0] < c.eq.prob:
+                eq = tuple(c.eq.db * (2.0 * x - 1.0) for x in v[1:])
+        return Draw(seed, noise, snr, u[5], rt60, u[8], warp, gain, eq)
 
     def wave(self, wave: torch.Tensor, draw: Draw) -> torch.Tensor:
         """(N,) float32 16 kHz: reverberated, then with noise added, as the draw says."""
@@ -199,10 +226,20 @@ class Augmenter:
         return wave
 
     def features(self, feats: torch.Tensor, draw: Draw) -> torch.Tensor:
-        """Log-mel features (..., T, n_mels) warped and gained as the draw says (`warp_mels`,
-        `gain_offset`)."""
+        """Log-mel features (..., T, n_mels) warped, then shifted by the gain and the equaliser as
+        the draw says (`warp_mels`, `shift`)."""
         feats = warp_mels(feats, draw.warp)
-        return feats + gain_offset(draw.gain_db) if draw.gain_db else feats
+        shift = self.shift(draw, feats.size(-1))
+        return feats if shift is None else feats + shift.to(feats.device, feats.dtype)
+
+    @staticmethod
+    def shift(draw: Draw, n_mels: int) -> torch.Tensor | None:
+        """(n_mels,) float32: what the draw's gain and equaliser add to each log-mel bin
+        (`gain_offset`, `eq_curve`); None when neither applies."""
+        if not draw.gain_db and not draw.eq_db:
+            return None
+        curve = eq_curve(draw.eq_db, n_mels) if draw.eq_db else torch.zeros(n_mels, dtype=torch.float64)
+        return (curve + gain_offset(draw.gain_db)).float()
 
     def _noise(self, draw: Draw, n: int, g: torch.Generator) -> torch.Tensor:
         if draw.noise == "file":
@@ -302,6 +339,16 @@ def reverberate(wave: torch.Tensor, rir: torch.Tensor, *, keep_power: bool = Fal
 def gain_offset(db: float) -> float:
     """What a gain of `db` decibels adds to a log (natural) power: ln(10^(db / 10))."""
     return db * math.log(10.0) / 10.0
+
+
+def eq_curve(amplitudes_db: tuple[float, ...], n_mels: int) -> torch.Tensor:
+    """(n_mels,) float64: what an equaliser adds to log (natural) power in each mel bin i, the sum
+    over k = 1.. of gain_offset(amplitudes_db[k-1]) x cos(pi k (i + 1/2) / n_mels): a smooth curve
+    (k = 1 a tilt from the low bins to the high ones) whose mean over the bins is zero."""
+    k = torch.arange(1, len(amplitudes_db) + 1, dtype=torch.float64)[:, None]
+    basis = torch.cos(math.pi * k * (torch.arange(n_mels, dtype=torch.float64) + 0.5) / n_mels)
+    amps = torch.tensor([gain_offset(a) for a in amplitudes_db], dtype=torch.float64)
+    return amps @ basis
 
 
 def _mel(f: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The feature frontend on the training device (data.frontend = "device"): loader workers only
 decode audio into WaveBatches (asr.dataset.collate_waves), and the training step turns their
-waveforms into features where the model runs: fbank (with dither in training), spectral warping
-and gain (data.augment.warp, .gain), CMVN, SpecAugment.
+waveforms into features where the model runs: fbank (with dither in training), spectral warping,
+gain and equaliser (data.augment.warp, .gain, .eq), CMVN, SpecAugment.
 
     frontend = DeviceFrontend(FeatureConfig(), CMVNStats.load("cmvn.json"), SpecAugmentConfig(), seed=0,
                               augment=AugmentConfig(warp=WarpConfig(prob=0.5))).to(device)
@@ -15,9 +15,10 @@ utterance gets the same dither and masks whatever batch it falls in, and a resum
 - SpecAugment: CPU generators draw each utterance's few numbers (2 per mask or warp), copied to the
   device as one (B, K) tensor, and the masks are built there: the same masks on any device (a CPU
   generator's stream is the same everywhere), at the cost of B small host draws, not B kernel launches.
-- warp and gain: each utterance's factor and gain are ASRDataset's (asr.augment.Augmenter.draw of the
-  same seed, epoch and index), applied to the log-mels before CMVN as the dataset applies them, by
-  one gather whose tables are copied over without a wait, and one (B,) shift copied the same way.
+- warp, gain and equaliser: each utterance's factor, gain and curve are ASRDataset's
+  (asr.augment.Augmenter.draw of the same seed, epoch and index), applied to the log-mels before CMVN
+  as the dataset applies them, by one gather whose tables are copied over without a wait, and one
+  (B, n_mels) shift copied the same way.
   (Noise and reverberation are the loader workers': they change the waveform, which is what the
   workers send.)
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from asr.augment import AugmentConfig, Augmenter, gain_offset, warp_rows
+from asr.augment import AugmentConfig, Augmenter, warp_rows
 from asr.dataset import derive_seed
 from asr.features import (
     CMVNStats,
@@ -74,9 +75,11 @@ class DeviceFrontend(torch.nn.Module):
             if training and self.augmenter is not None:
                 draws = [self.augmenter.draw(epoch, i) for i in keys]
                 feats = warp_rows(feats, [d.warp for d in draws])
-                if any(d.gain_db for d in draws):  # made on the host: a copy to the device, no sync
-                    shift = torch.tensor([gain_offset(d.gain_db) for d in draws], dtype=feats.dtype)
-                    feats = feats + shift.to(feats.device, non_blocking=True)[:, None, None]
+                shifts = [self.augmenter.shift(d, feats.size(-1)) for d in draws]
+                if any(s is not None for s in shifts):  # made on the host: a copy to the device, no sync
+                    none = torch.zeros(feats.size(-1))
+                    rows = torch.stack([none if s is None else s for s in shifts]).to(feats.dtype)
+                    feats = feats + rows.to(feats.device, non_blocking=True)[:, None, :]
             if self.cmvn is not None:
                 feats = self.cmvn(feats)
             padded = torch.arange(feats.shape[1], device=feats.device) >= feat_lens[:, None]  # (B, T)

@@ -2,6 +2,7 @@
 against its definition."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,12 +12,14 @@ import torch
 from asr.augment import (
     AugmentConfig,
     Augmenter,
+    EqConfig,
     GainConfig,
     NoiseConfig,
     ReverbConfig,
     WarpConfig,
     add_noise,
     colored_noise,
+    eq_curve,
     gain_offset,
     reverberate,
     simulated_rir,
@@ -26,7 +29,7 @@ from asr.config import ConfigError, from_dict
 from asr.features import FeatureConfig, fbank
 
 ALL_ON = AugmentConfig(noise=NoiseConfig(prob=0.7), reverb=ReverbConfig(prob=0.5), warp=WarpConfig(prob=0.6),
-                       gain=GainConfig(prob=0.5))
+                       gain=GainConfig(prob=0.5), eq=EqConfig(prob=0.5, db=4.0, terms=3))
 
 
 def _voice(index: int) -> torch.Tensor:
@@ -50,6 +53,8 @@ def test_augmentation_draws_are_per_utterance_and_reproducible():
     assert any(d.warp == 1.0 for d in forward) and len({d.warp for d in forward}) > 2
     assert any(d.gain_db == 0.0 for d in forward) and all(-10 <= d.gain_db <= 10 for d in forward)
     assert len({d.gain_db for d in forward}) > 10
+    assert any(d.eq_db == () for d in forward) and len({d.eq_db for d in forward}) > 10
+    assert all(len(d.eq_db) in (0, 3) and all(-4 <= a <= 4 for a in d.eq_db) for d in forward)
     for i in range(12):
         draw = forward[i]
         a = one.wave(_voice(i), draw)
@@ -58,12 +63,14 @@ def test_augmentation_draws_are_per_utterance_and_reproducible():
         assert a.shape == _voice(i).shape
         assert torch.equal(a, _voice(i)) == (draw.noise is None and draw.rt60 is None)
     off = Augmenter(AugmentConfig(), seed=3)
-    assert all(d.noise is None and d.rt60 is None and d.warp == 1.0 and d.gain_db == 0.0
+    assert all(d.noise is None and d.rt60 is None and d.warp == 1.0 and d.gain_db == 0.0 and d.eq_db == ()
                for d in (off.draw(0, i) for i in range(20)))
-    # turning the gain on leaves the other draws as they were
+    # turning the gain and the equaliser on leaves the other draws as they were
     no_gain = Augmenter(AugmentConfig(noise=ALL_ON.noise, reverb=ALL_ON.reverb, warp=ALL_ON.warp), seed=3,
                         other=_voice, size=50)
-    assert [d._replace(gain_db=0.0) for d in forward] == [no_gain.draw(2, i) for i in range(40)]
+    assert [d._replace(gain_db=0.0, eq_db=()) for d in forward] == [no_gain.draw(2, i) for i in range(40)]
+    no_eq = Augmenter(dataclasses.replace(ALL_ON, eq=EqConfig()), seed=3, other=_voice, size=50)
+    assert [d._replace(eq_db=()) for d in forward] == [no_eq.draw(2, i) for i in range(40)]
 
 
 def test_warp_factors_are_quantised_within_the_range():
@@ -180,13 +187,44 @@ def test_gain_shifts_the_log_mels_as_scaling_the_waveform_does(db):
     torch.testing.assert_close(augmenter.features(plain, draw), louder, rtol=0, atol=0.02)
 
 
+def test_eq_shifts_the_log_mels_as_filtering_the_waveform_does():
+    """The equaliser's curve is smooth, zero on average (the level is the gain's) and a tilt with one
+    term; noise filtered by a response that follows the curve along the mel axis has log-mels that
+    curve above the noise's (to the triangular filters' smoothing), and the augmenter adds it."""
+    n_mels, amps = 40, (5.0, -3.0, 2.0)
+    curve = eq_curve(amps, n_mels)
+    assert abs(float(curve.mean())) < 1e-12 and float(curve.abs().max()) > 1.0
+    tilt = eq_curve((6.0,), n_mels)
+    assert bool((tilt[1:] < tilt[:-1]).all()) and float(tilt[0]) == pytest.approx(gain_offset(6.0), rel=0.01)
+
+    noise = torch.randn(32000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.05
+    f = torch.fft.rfftfreq(noise.numel(), 1 / 16000).double()
+    mel = 1127.0 * torch.log1p(f / 700.0)
+    lo, hi = 1127.0 * math.log1p(20.0 / 700.0), 1127.0 * math.log1p(8000.0 / 700.0)
+    x = (mel - lo) / ((hi - lo) / (n_mels + 1)) - 1.0  # fractional bin: 0 at bin 0's centre
+    k = torch.arange(1, len(amps) + 1, dtype=torch.float64)[:, None]
+    db = (torch.tensor(amps, dtype=torch.float64)[:, None] * torch.cos(math.pi * k * (x + 0.5) / n_mels)).sum(0)
+    filtered = torch.fft.irfft(torch.fft.rfft(noise) * 10 ** (db / 20), n=noise.numel())
+    config = FeatureConfig(n_mels=n_mels, dither=0.0)
+    plain, shaped = fbank(noise.float(), config), fbank(filtered.float(), config)
+    torch.testing.assert_close((shaped - plain).mean(0), curve.float(), rtol=0, atol=0.05)
+
+    augmenter = Augmenter(AugmentConfig(eq=EqConfig(prob=1.0, db=5.0, terms=3), gain=GainConfig(prob=1.0)), seed=0)
+    draw = augmenter.draw(0, 0)
+    assert len(draw.eq_db) == 3 and draw.gain_db != 0.0
+    expected = plain + (eq_curve(draw.eq_db, n_mels) + gain_offset(draw.gain_db)).float()
+    torch.testing.assert_close(augmenter.features(plain, draw), expected, rtol=0, atol=1e-5)
+    assert Augmenter.shift(Augmenter(AugmentConfig(), seed=0).draw(0, 0), n_mels) is None
+
+
 def test_augment_config_reads_and_checks_its_values():
     config = from_dict(AugmentConfig, {"noise": {"prob": 0.5, "snr_db": [0, 15], "kinds": ["pink"]},
                                        "warp": {"prob": 0.3}}, source="c.yaml", prefix="data.augment.")
     assert config.noise.snr_db == (0, 15) and config.noise.kinds == ("pink",) and config.enabled
     assert not AugmentConfig().enabled
     for bad in ({"noise": {"prob": 2}}, {"noise": {"kinds": ["rain"]}}, {"warp": {"factor": [1.2, 1.1]}},
-                {"reverb": {"rt60": [0, 1]}}, {"gain": {"db": [5, -5]}}, {"gain": {"prob": -0.1}}):
+                {"reverb": {"rt60": [0, 1]}}, {"gain": {"db": [5, -5]}}, {"gain": {"prob": -0.1}},
+                {"eq": {"terms": 0}}, {"eq": {"db": -1}}):
         with pytest.raises(ConfigError, match="c.yaml"):
             from_dict(AugmentConfig, bad, source="c.yaml", prefix="data.augment.")
 
@@ -215,7 +253,8 @@ def test_the_dataset_augments_training_utterances_per_epoch_and_index(tmp_path):
     clean = dataset(augment=None)
     changed = [not torch.equal(a.get(i, 0).feats, clean.get(i, 0).feats) for i in range(6)]
     draws = [a.augmenter.draw(0, i) for i in range(6)]
-    assert changed == [d.noise is not None or d.rt60 is not None or d.warp != 1.0 or d.gain_db != 0 for d in draws]
+    assert changed == [d.noise is not None or d.rt60 is not None or d.warp != 1.0 or d.gain_db != 0 or d.eq_db != ()
+                       for d in draws]
     assert any(changed)
     assert dataset(training=False).augmenter is None
 

@@ -12,7 +12,7 @@ from data_helpers import FEATURES, loader_config
 from small_models import small_model
 
 from asr.asr_task import ASRTask
-from asr.augment import AugmentConfig, GainConfig, WarpConfig
+from asr.augment import AugmentConfig, EqConfig, GainConfig, WarpConfig
 from asr.dataset import ASRDataset, Batch, Skipped, WaveBatch, WaveExample, collate_waves, derive_seed
 from asr.device_frontend import DeviceFrontend
 from asr.feature_archive import FeatureArchive
@@ -127,7 +127,8 @@ def test_the_device_frontends_warp_is_the_datasets(corpus, one_thread):
     training features."""
     features = dataclasses.replace(FEATURES, dither=0.0)
     stats = compute_cmvn(corpus[:4], features)
-    augment = AugmentConfig(warp=WarpConfig(prob=0.7, factor=(0.8, 1.2), step=0.05), gain=GainConfig(prob=0.5))
+    augment = AugmentConfig(warp=WarpConfig(prob=0.7, factor=(0.8, 1.2), step=0.05), gain=GainConfig(prob=0.5),
+                            eq=EqConfig(prob=0.5))
     dataset = ASRDataset(corpus[:4], None, features=features, cmvn=GlobalCMVN(stats), training=True, seed=3,
                          augment=augment)
     batch = collate_waves([dataset.waveform(i) for i in range(4)], epoch=2)
@@ -135,13 +136,15 @@ def test_the_device_frontends_warp_is_the_datasets(corpus, one_thread):
     feats, feat_lens = frontend(batch.waves, batch.wave_lens, batch.indices, batch.epoch, training=True)
     factors = [dataset.augmenter.draw(2, i).warp for i in range(4)]
     gains = [dataset.augmenter.draw(2, i).gain_db for i in range(4)]
+    eqs = [dataset.augmenter.draw(2, i).eq_db for i in range(4)]
     assert 1.0 in factors and len(set(factors)) >= 2  # warped rows and a plain one in the batch
     assert 0.0 in gains and len(set(gains)) >= 2
     for b in range(4):
         torch.testing.assert_close(feats[b, : feat_lens[b]], dataset.get(b, 2).feats, rtol=0.0, atol=1e-5)
     plain, _ = DeviceFrontend(features, stats, None, seed=3)(batch.waves, batch.wave_lens, batch.indices, 2, True)
-    for b, (f, g) in enumerate(zip(factors, gains)):
-        assert torch.equal(feats[b], plain[b]) == (f == 1.0 and g == 0.0)
+    assert () in eqs and any(eqs)
+    for b, (f, g, e) in enumerate(zip(factors, gains, eqs)):
+        assert torch.equal(feats[b], plain[b]) == (f == 1.0 and g == 0.0 and e == ())
     evaluation, _ = frontend(batch.waves, batch.wave_lens, batch.indices, batch.epoch, training=False)
     assert torch.equal(evaluation, plain)  # no warp outside training (and no dither: 0 here)
     bare, bare_lens = DeviceFrontend(features, None, None, seed=3, augment=augment)(
