@@ -1,7 +1,6 @@
 """Acoustic augmentation on the fly: additive noise, reverberation, spectral warping, gain and
-equalisation, each
-drawn per utterance from (seed, epoch, index), so that an utterance gets the same draw in any
-batch, on any rank and after a resume (as SpecAugment's masks and the dither do).
+equalisation, each drawn per utterance from (seed, epoch, index), so that an utterance gets the same
+draw in any batch, on any rank and after a resume (as SpecAugment's masks and the dither do).
 
     augmenter = Augmenter(AugmentConfig(noise=NoiseConfig(prob=0.5)), seed=0, other=wave_of, size=n)
     draw = augmenter.draw(epoch, index)            # what happens to utterance `index` this epoch
