@@ -158,7 +158,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(metrics: Path, path: Path) -> None:
-    """A PNG of training and validation loss and validation CER/WER against the step."""
+    """A PNG of training and validation loss and validation CER/WER against the step, written whole
+    (atomic_open)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,8 +181,11 @@ def plot_curves(metrics: Path, path: Path) -> None:
     ax2.set_ylabel("%")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_open(path, "wb") as f:  # a crash mid-write leaves the previous plot, not half a PNG
+            fig.savefig(f, dpi=100, format="png")
+    finally:
+        plt.close(fig)
 
 
 def progress(enabled: bool, total: int, done: int, desc: str):

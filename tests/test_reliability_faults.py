@@ -134,6 +134,26 @@ def test_a_full_disk_during_save_keeps_the_previous_file(tmp_path, monkeypatch, 
     assert torch.equal(load_file(tmp_path / "ckpt.pt", "asr-checkpoint")["w"], old["w"])
 
 
+def test_a_full_disk_while_plotting_keeps_the_previous_curves(tmp_path, monkeypatch):
+    from asr.train_log import plot_curves
+
+    metrics, png = tmp_path / "metrics.jsonl", tmp_path / "curves.png"
+    lines = [{"kind": "train", "step": s, "loss": 5.0 / s} for s in range(1, 50)]
+    lines += [{"kind": "valid", "step": 25, "loss": 0.4, "cer": 0.3, "wer": 0.5}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    plot_curves(metrics, png)
+    before = png.read_bytes()
+    assert before.startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
+    with metrics.open("a") as f:
+        f.write(json.dumps({"kind": "valid", "step": 49, "loss": 0.3, "cer": 0.2, "wer": 0.4}) + "\n")
+    fill_disk_after(monkeypatch, 1000)
+    with pytest.raises(OSError):
+        plot_curves(metrics, png)
+    assert png.read_bytes() == before  # the previous plot whole, no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
+
+
 # ---------------------------------------------------------------------------------------------
 # training runs (slow): one uninterrupted run, then faulty ones compared with it
 
