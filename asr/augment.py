@@ -237,8 +237,7 @@ class Augmenter:
         (`gain_offset`, `eq_curve`); None when neither applies."""
         if not draw.gain_db and not draw.eq_db:
             return None
-        curve = eq_curve(draw.eq_db, n_mels) if draw.eq_db else torch.zeros(n_mels, dtype=torch.float64)
-        return (curve + gain_offset(draw.gain_db)).float()
+        return (eq_curve(draw.eq_db, n_mels) + gain_offset(draw.gain_db)).float()
 
     def _noise(self, draw: Draw, n: int, g: torch.Generator) -> torch.Tensor:
         if draw.noise == "file":
@@ -343,11 +342,17 @@ def gain_offset(db: float) -> float:
 def eq_curve(amplitudes_db: tuple[float, ...], n_mels: int) -> torch.Tensor:
     """(n_mels,) float64: what an equaliser adds to log (natural) power in each mel bin i, the sum
     over k = 1.. of gain_offset(amplitudes_db[k-1]) x cos(pi k (i + 1/2) / n_mels): a smooth curve
-    (k = 1 a tilt from the low bins to the high ones) whose mean over the bins is zero."""
-    k = torch.arange(1, len(amplitudes_db) + 1, dtype=torch.float64)[:, None]
-    basis = torch.cos(math.pi * k * (torch.arange(n_mels, dtype=torch.float64) + 0.5) / n_mels)
+    (k = 1 a tilt from the low bins to the high ones) whose mean over the bins is zero; () gives zeros."""
     amps = torch.tensor([gain_offset(a) for a in amplitudes_db], dtype=torch.float64)
-    return amps @ basis
+    return amps @ _eq_basis(len(amplitudes_db), n_mels)
+
+
+@functools.lru_cache(maxsize=16)
+def _eq_basis(terms: int, n_mels: int) -> torch.Tensor:
+    """(terms, n_mels) float64: cos(pi k (i + 1/2) / n_mels) for k = 1..terms (made once per shape:
+    the device frontend asks for a curve per utterance per step)."""
+    k = torch.arange(1, terms + 1, dtype=torch.float64)[:, None]
+    return torch.cos(math.pi * k * (torch.arange(n_mels, dtype=torch.float64) + 0.5) / n_mels)
 
 
 def _mel(f: torch.Tensor) -> torch.Tensor:

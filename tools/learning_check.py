@@ -198,8 +198,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="synthesis processes")
     p.add_argument("--flite", type=float, default=0.0,
-                   help="with --text: this fraction of the training lines spoken again by Flite "
-                        "(recipes/synth/local/flite.py), as recipes/synth/run.sh --flite")
+                   help="this fraction of the training lines spoken again by Flite "
+                        "(recipes/synth/local/flite.py), as recipes/synth/run.sh --flite; with --data, "
+                        "in a hard-linked copy of that folder")
     p.add_argument("--flite-pitch", type=float, nargs=2, metavar=("LO", "HI"),
                    help="with --flite: each Flite line at its voice's mean pitch times a factor drawn "
                         "in [LO, HI] (flite.py train --pitch)")
