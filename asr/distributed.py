@@ -70,6 +70,18 @@ class Context:
         torch.manual_seed((int(state[0]) << 31) ^ int(state[1]))
 
 
+def process_device(device: str, local_rank: int) -> torch.device:
+    """The device of the process with `local_rank`: "auto" is cuda:LOCAL_RANK when CUDA is
+    available, else the CPU; "cuda" without an index is cuda:LOCAL_RANK (each rank of a torchrun
+    job its own GPU; torch.cuda.set_device needs an index); anything else as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", local_rank)
+    return where
+
+
 def setup_process(*, device: str = "auto", num_threads: int = 0) -> Context:
     """One process, or one rank of a torchrun job (env://: RANK, WORLD_SIZE, LOCAL_RANK).
 
@@ -77,10 +89,7 @@ def setup_process(*, device: str = "auto", num_threads: int = 0) -> Context:
     torch's CPU threads. Ranks other than 0 log warnings and errors only."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "auto":
-        where = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-    else:
-        where = torch.device(device)
+    where = process_device(device, local)
     if where.type == "cuda":
         torch.cuda.set_device(where)
     if num_threads > 0:

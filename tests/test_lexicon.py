@@ -280,11 +280,12 @@ def test_constrained_search_on_cuda_equals_cpu_with_one_sync_per_step():
     model = tiny_model(5, dtype=torch.float32)
     memory, lens = random_memory(model, LENGTHS, 5)
     cpu = constrained(model, memory, lens, JOINT)[1]
+    model, memory, lens = model.cuda(), memory.cuda(), lens.cuda()  # the copies are not the search's
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            cuda = constrained(model.cuda(), memory.cuda(), lens.cuda(), JOINT)[1]
+            cuda = constrained(model, memory, lens, JOINT)[1]
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert [[h.tokens for h in n] for n in cpu] == [[h.tokens for h in n] for n in cuda]

@@ -318,3 +318,13 @@ def test_bf16_on_the_cpu_decodes_what_fp32_decodes(overfit, tmp_path, monkeypatc
     assert "other settings" in err and "bf16 autocast on cpu" in err and "resuming" not in err
     assert hyps["bf16"] == hyps["auto"]
     assert scores == ({torch.float32} if mode == "attention" else set())
+
+
+@pytest.mark.parametrize(("device", "local_rank", "expected"), [
+    ("cuda", 0, "cuda:0"), ("cuda", 3, "cuda:3"), ("cuda:1", 3, "cuda:1"), ("cpu", 2, "cpu")])
+def test_a_device_without_an_index_is_the_local_ranks_gpu(device, local_rank, expected):
+    """`--device cuda` names cuda:LOCAL_RANK (torch.cuda.set_device refuses a device without an
+    index: `asr decode --device cuda` failed on a GPU machine before)."""
+    from asr.distributed import process_device
+
+    assert process_device(device, local_rank) == torch.device(expected)
