@@ -161,3 +161,26 @@ def test_device_check_dry_run(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {"ours_100h", "base_100h"} <= set(summary["parts"])
     assert "this tree / baseline" in done.stdout
+
+
+def test_count_syncs_names_the_line_each_sync_came_from(monkeypatch):
+    """The sync-debug count of gpu_check says where each synchronization was reported (CUDA's
+    warning stands in for a GPU here), and other warnings are not counted."""
+    import warnings
+    from collections import Counter
+
+    mode = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(now=0 if m == "default" else 1))
+
+    def reads_twice():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+
+    sites, original = Counter(), warnings.showwarning
+    assert gpu_check.count_syncs(reads_twice, sites) == 2
+    assert mode["now"] == 0 and warnings.showwarning is original
+    (site, n), = sites.items()
+    assert n == 2 and site.startswith("test_bench_tools.py:") and "reads_twice" in site

@@ -83,8 +83,9 @@ import random
 import statistics
 import sys
 import time
+import traceback
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -415,18 +416,32 @@ def profile_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     return summarize_profile(profile_events(prof), len(batches), wall, own_syncs=int(device.type == "cuda"))
 
 
-def count_syncs(fn) -> int | None:
-    """Host synchronizations CUDA reports while fn() runs (None on the CPU)."""
+def count_syncs(fn, sites: Counter | None = None) -> int | None:
+    """Host synchronizations CUDA reports while fn() runs (None on the CPU); `sites` counts the
+    Python line each was reported from (with its two callers, innermost first)."""
     if not torch.cuda.is_available() or torch.cuda.get_sync_debug_mode() != 0:
         return None
-    with warnings.catch_warnings(record=True) as caught:
+    count = 0
+
+    def show(message, *args, **kwargs) -> None:
+        nonlocal count
+        if "synchroniz" not in str(message):
+            return
+        count += 1
+        if sites is not None:
+            frames = [f for f in traceback.extract_stack()[:-1] if "torch/" not in f.filename
+                      and "warnings" not in f.filename][-3:]
+            sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show  # restored when the block ends
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -640,6 +655,8 @@ def print_profile(r: dict) -> None:
           f"(ops {p['op_cpu_ms_per_step']:.1f}, waiting {p['host_wait_ms_per_step']:.1f}), "
           f"launches {_num(p['launches_per_step'], '.0f')}/step, host syncs {_num(p['host_syncs_per_step'])}/step "
           f"(sync debug mode: {_num(r.get('sync_debug_syncs_per_step'), '.0f')})")
+    for site, n in (r.get("sync_sites") or {}).items():
+        print(f"    sync x{n}: {site}")
     for title, rows in (("GPU kernels", p["top_kernels"]), ("CPU operators (self time)", p["top_cpu_ops"])):
         if rows:
             print(f"    {'top ' + title:<72}{'calls/step':>11}{'ms/step':>9}{'share':>7}")
@@ -669,8 +686,10 @@ def run_cap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Mo
             timed_ms = 1e3 * row["elapsed_s"] / row["steps"]
             row["profile"]["gpu_busy_vs_timed"] = row["profile"]["gpu_ms_per_step"] / timed_ms
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    sites = Counter()
     row["sync_debug_syncs_per_step"] = count_syncs(
-        lambda: train_step(model, params, optimizer, rest[-1], device, grad_clip))
+        lambda: train_step(model, params, optimizer, rest[-1], device, grad_clip), sites)
+    row["sync_sites"] = dict(sites.most_common())
     return row
 
 
