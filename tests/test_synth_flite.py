@@ -122,6 +122,31 @@ def test_train_lines_are_rewritten_to_flite_and_a_rerun_changes_nothing(tmp_path
     assert "10 of 20 training utterances spoken by Flite" in capsys.readouterr().err
 
 
+def test_added_flite_lines_follow_their_espeak_lines_and_a_rerun_changes_nothing(tmp_path, monkeypatch):
+    """--add keeps every eSpeak line and follows each chosen one with its Flite line (id <id>-flite,
+    the same text, the same choice and voices as without --add); a re-run changes nothing."""
+    calls = fake_flite(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 20)
+    before = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    args = ["train", "--data", str(data), "--fraction", "0.5", "--flite-dir", "DIR", "--add"]
+    assert flite.main(args) == 0
+    after = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    replaced = {u.id: u for u in flite.plan(before, 0.5, seed=3)}
+    assert [u for u in after if not u["id"].endswith("-flite")] == before
+    added = [(i, u) for i, u in enumerate(after) if u["id"].endswith("-flite")]
+    assert len(added) == 10
+    for i, u in added:
+        original = after[i - 1]
+        assert u["id"] == original["id"] + "-flite" and u["text"] == original["text"]
+        assert u["speaker"] == f"flite+{replaced[original['id']].voice}"  # the same deal as without --add
+        assert u["audio"] == f"wav/train_flite/{u['id']}.flac" and (data / u["audio"]).is_file()
+    assert json.loads((data / "corpus.json").read_text())["flite"]["added"] is True
+    text = (data / "train.jsonl").read_text()
+    assert flite.main(args) == 0
+    assert (data / "train.jsonl").read_text() == text
+    assert len(calls.read_text().splitlines()) == 10  # every FLAC kept, none spoken again
+
+
 def test_without_flite_the_training_step_fails_in_one_line(tmp_path, monkeypatch, capsys):
     data = corpus(tmp_path, 4)
     fake = tmp_path / "flite.sh"
@@ -173,7 +198,7 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
         assert Path(cmd[1]) == learning_check.FLITE
         assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
-    args = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=None, jobs=1)
+    args = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=None, flite_add=False, jobs=1)
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert before == {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}  # the given folder as it was
@@ -183,10 +208,12 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
     assert all((out / u["audio"]).is_file() for u in lines) and (out / "dev.jsonl").is_file()
     assert learning_check.make_data(args, out, tmp_path / "log") == out  # made once: nothing spoken again
     assert len(calls.read_text().splitlines()) == 5
-    plain = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, jobs=1)
+    plain = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, flite_add=False, jobs=1)
     assert learning_check.make_data(plain, out, tmp_path / "log") == data  # without --flite: the folder itself
-    pitched = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=[0.8, 1.2], jobs=1)
+    pitched = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=[0.8, 1.2], flite_add=True, jobs=1)
     other = tmp_path / "pitched" / "data"
     assert learning_check.make_data(pitched, other, tmp_path / "log") == other
     assert sum("int_f0_target_mean=" in line for line in calls.read_text().splitlines()[5:]) > 0
     assert json.loads((other / "corpus.json").read_text())["flite"]["pitch"] == [0.8, 1.2]
+    added = [json.loads(line) for line in (other / "train.jsonl").read_text().splitlines()]
+    assert len(added) == 15 and sum(u["id"].endswith("-flite") for u in added) == 5  # --flite-add

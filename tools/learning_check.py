@@ -17,7 +17,8 @@ OUT/learning_check.json.
    dev_synth.jsonl by Festival's ked_diphone voice (recipes/synth/local/festival.py: a synthesizer
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
-   recipe's --flite; --flite-pitch LO HI draws each line's mean pitch). With --data, that folder's
+   recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
+   lines and adds the Flite ones). With --data, that folder's
    train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them; with --data
    and --flite, a hard-linked copy of the folder in OUT/data is given the Flite lines (the folder
    itself is left as it is). Made once.
@@ -120,10 +121,11 @@ def linked_copy(src: Path, dst: Path) -> None:
 
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     """--flite F: that fraction of the training lines spoken again by Flite (kept when made before),
-    with --flite-pitch LO HI at a mean pitch drawn per line."""
+    with --flite-pitch LO HI at a mean pitch drawn per line, with --flite-add beside the eSpeak lines."""
     if args.flite:
         pitch = ["--pitch", *args.flite_pitch] if args.flite_pitch else []
-        run([sys.executable, FLITE, "train", "--data", data, "--fraction", args.flite, *pitch,
+        add = ["--add"] if args.flite_add else []
+        run([sys.executable, FLITE, "train", "--data", data, "--fraction", args.flite, *pitch, *add,
              "--jobs", args.jobs], log)
     return data
 
@@ -204,6 +206,9 @@ def main() -> None:
     p.add_argument("--flite-pitch", type=float, nargs=2, metavar=("LO", "HI"),
                    help="with --flite: each Flite line at its voice's mean pitch times a factor drawn "
                         "in [LO, HI] (flite.py train --pitch)")
+    p.add_argument("--flite-add", action="store_true",
+                   help="with --flite: the Flite lines added beside the eSpeak ones, which all stay "
+                        "(flite.py train --add)")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config")
     args = p.parse_args()
 

@@ -2,7 +2,7 @@
 again by CMU Flite (Debian's flite: kal16, a diphone voice, and awb, rms and slt, statistical
 parametric voices), so that the model does not learn eSpeak's formant sound as speech itself.
 
-    python local/flite.py train --data DATA --fraction F [--pitch LO HI] [--flite-dir DIR] [--seed S] [--jobs J]
+    python local/flite.py train --data DATA --fraction F [--pitch LO HI] [--add] [--flite-dir DIR] [--seed S] [--jobs J]
     python local/flite.py say "SOME TEXT" OUT.flac [--voice V] [--flite-dir DIR]
 
 `train` reads DATA/train.jsonl (as synthesize.py wrote it), chooses round(F x N) of its utterances
@@ -10,7 +10,8 @@ with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice 
 decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
-"flite+<voice>"); the text and id stay. Each is given the text eSpeak was given
+"flite+<voice>"); the text and id stay. With --add, the eSpeak lines stay too and each chosen
+one is followed by its Flite line, id "<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
 (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is not the
 truth of a Flite line. DATA/corpus.json records the fraction
 and the voices. A FLAC whose stored plan key matches is kept on a re-run, and applying the same
@@ -53,6 +54,7 @@ from asr.fileio import atomic_open
 
 VOICES = ("kal16", "awb", "rms", "slt")
 FOLDER = "train_flite"  # under DATA/wav
+ADDED = "-flite"  # the id suffix of a line --add gives
 FLITE_SH = Path(__file__).resolve().parents[3] / "tools" / "flite.sh"
 # duration_stretch (larger is slower; 1 is the voice's own, ~160-180 words per minute), spanning
 # about eSpeak's 130-200 (synthesize.RATE_WPM)
@@ -127,11 +129,13 @@ class Utt:
         return hashlib.sha1(json.dumps({**shape, "engine": "flite"}, sort_keys=True).encode()).hexdigest()
 
 
-def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, float] | None = None) -> list[Utt]:
+def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, float] | None = None,
+         suffix: str = "") -> list[Utt]:
     """round(fraction x len(train)) of the training utterances (a seeded choice, in id order), each
     with its voice (shuffled decks of VOICES), speed, edges and noise drawn from the seed; with
     `pitch` (lo, hi), the voices of VOICE_F0 speak at their own mean F0 times a factor drawn in it
-    (from a stream of its own: the other draws are those made without it)."""
+    (from a stream of its own: the other draws are those made without it); `suffix` is added to
+    each id (--add's lines)."""
     rng = random.Random(f"synth-flite:{seed}")
     pitch_rng = random.Random(f"synth-flite-pitch:{seed}")
     ordered = sorted(train, key=lambda u: u["id"])
@@ -145,7 +149,7 @@ def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, floa
     for i in chosen:
         if not deck:
             deck = rng.sample(VOICES, len(VOICES))
-        u = Utt(id=ordered[i]["id"], text=ordered[i]["text"], voice=deck.pop(),
+        u = Utt(id=ordered[i]["id"] + suffix, text=ordered[i]["text"], voice=deck.pop(),
                 stretch=round(rng.uniform(*DURATION_STRETCH), 3), lead=edge(), tail=edge(),
                 snr_db=round(rng.uniform(*NOISE_SNR_DB), 1))
         if pitch:
@@ -171,8 +175,9 @@ def _render(data: Path, folder: Path, u: Utt) -> int:
 
 
 def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None = None, jobs: int = 1,
-                   pitch: tuple[float, float] | None = None) -> list[Utt]:
-    """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl (module docstring)."""
+                   pitch: tuple[float, float] | None = None, add: bool = False) -> list[Utt]:
+    """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl, or with `add`
+    follow each with its Flite line (module docstring)."""
     manifest = data / "train.jsonl"
     lines = []
     for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
@@ -182,29 +187,33 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
             lines.append(json.loads(line))
         except ValueError as e:
             raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
+    lines = [x for x in lines if not x["id"].endswith(ADDED)]  # an earlier --add's: made again from the plan
     card_path = data / "corpus.json"
     card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     if seed is None:
         seed = card.get("seed", 0)
-    utts = plan(lines, fraction, seed, pitch)
+    utts = plan(lines, fraction, seed, pitch, ADDED if add else "")
     todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
     if todo:
         fetch(folder)
     with ThreadPoolExecutor(max(1, jobs)) as pool:  # each call is its own flite process
         frames = dict(zip((u.id for u in utts), pool.map(lambda u: _render(data, folder, u), utts)))
-    by_id = {u.id: u for u in utts}
+    by_id = {u.id.removesuffix(ADDED) if add else u.id: u for u in utts}
     with atomic_open(manifest) as f:
         for line in lines:
-            u = by_id.get(line["id"])
+            out, u = [line], by_id.get(line["id"])
             if u is not None:
-                line = {**line, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE, "speaker": f"flite+{u.voice}"}
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                spoken = {**line, "id": u.id, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE,
+                          "speaker": f"flite+{u.voice}"}
+                out = [line, spoken] if add else [spoken]
+            f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in out)
     if card:
         card["flite"] = {"fraction": fraction, "voices": list(VOICES), "utterances": len(utts),
-                         **({"pitch": list(pitch)} if pitch else {})}
+                         **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {})}
         with atomic_open(card_path) as f:
             f.write(json.dumps(card, indent=1) + "\n")
-    print(f"flite: {len(utts)} of {len(lines)} training utterances spoken by Flite ({', '.join(VOICES)}) in "
+    print(f"flite: {len(utts)} of {len(lines)} training utterances spoken by Flite ({', '.join(VOICES)}"
+          f"{'; added beside them' if add else ''}) in "
           f"{data}: {len(todo)} made, {len(utts) - len(todo)} kept", file=sys.stderr)
     return utts
 
@@ -220,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="flite processes at a time")
     p.add_argument("--pitch", type=float, nargs=2, metavar=("LO", "HI"),
                    help="mean F0 of kal16, awb and slt: their own times a factor drawn per line in [LO, HI]")
+    p.add_argument("--add", action="store_true",
+                   help="keep the eSpeak lines and add the Flite ones beside them (ids <id>-flite)")
     q = sub.add_parser("say", help="speak one text into a 16 kHz FLAC")
     q.add_argument("text")
     q.add_argument("out", type=Path)
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pitch and not 0 < args.pitch[0] <= args.pitch[1]:
             parser.error("--pitch LO HI: 0 < LO <= HI")
         pitch = tuple(args.pitch) if args.pitch else None
-        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs, pitch)
+        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs, pitch, args.add)
     except (FliteError, OSError, ValueError, KeyError) as e:
         print(f"flite: error: {e}", file=sys.stderr)
         return 1
