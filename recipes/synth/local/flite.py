@@ -11,8 +11,8 @@ decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
 "flite+<voice>"); the text and id stay. With --add, the eSpeak lines stay too and each chosen
-one is followed by its Flite line, id "<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
-(festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is not the
+one is followed by its Flite line, id "<id>-flite" (the corpus grows by F). Each is given the text
+eSpeak was given (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is not the
 truth of a Flite line. DATA/corpus.json records the fraction
 and the voices. A FLAC whose stored plan key matches is kept on a re-run, and applying the same
 fraction again to a train.jsonl it already rewrote changes nothing. Festival's ked, the unseen
