@@ -418,7 +418,7 @@ def profile_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
 
 def count_syncs(fn, sites: Counter | None = None) -> int | None:
     """Host synchronizations CUDA reports while fn() runs (None on the CPU); `sites` counts the
-    Python line each was reported from (with its two callers, innermost first)."""
+    line of this repository each was reported from (with its two callers, innermost first)."""
     if not torch.cuda.is_available() or torch.cuda.get_sync_debug_mode() != 0:
         return None
     count = 0
@@ -429,8 +429,7 @@ def count_syncs(fn, sites: Counter | None = None) -> int | None:
             return
         count += 1
         if sites is not None:
-            frames = [f for f in traceback.extract_stack()[:-1] if "torch/" not in f.filename
-                      and "warnings" not in f.filename][-3:]
+            frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(ROOT))][-3:]
             sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))] += 1
 
     with warnings.catch_warnings():
