@@ -159,16 +159,17 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def plot_curves(metrics: Path, path: Path) -> None:
     """A PNG of training and validation loss and validation CER/WER against the step, written whole
-    (atomic_open)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    (atomic_open). A Figure on its own Agg canvas, as asr.attention_plot draws: the process's
+    matplotlib backend and pyplot state are left alone."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     records = read_records(metrics) if metrics.is_file() else []
     train = [r for r in records if r["kind"] == "train"]
     valid = [r for r in records if r["kind"] == "valid"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=0.8)
     ax1.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="valid loss")
     ax1.set_xlabel("optimizer step")
@@ -181,11 +182,8 @@ def plot_curves(metrics: Path, path: Path) -> None:
     ax2.set_ylabel("%")
     ax2.legend()
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:  # a crash mid-write leaves the previous plot, not half a PNG
-            fig.savefig(f, dpi=100, format="png")
-    finally:
-        plt.close(fig)
+    with atomic_open(path, "wb") as f:  # a crash mid-write leaves the previous plot, not half a PNG
+        fig.savefig(f, dpi=100, format="png")
 
 
 def progress(enabled: bool, total: int, done: int, desc: str):

@@ -154,6 +154,23 @@ def test_a_full_disk_while_plotting_keeps_the_previous_curves(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
 
 
+def test_plotting_the_curves_leaves_the_process_matplotlib_backend_alone(tmp_path):
+    import matplotlib
+
+    from asr.train_log import plot_curves
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)))
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")  # a user's choice, which a library call must not switch
+    try:
+        plot_curves(metrics, tmp_path / "curves.png")
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use(before)
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+
+
 # ---------------------------------------------------------------------------------------------
 # training runs (slow): one uninterrupted run, then faulty ones compared with it
 
