@@ -18,10 +18,10 @@ OUT/learning_check.json.
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
-   lines and adds the Flite ones). With --data, that folder's
-   train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them; with --data
-   and --flite, a hard-linked copy of the folder in OUT/data is given the Flite lines (the folder
-   itself is left as it is). Made once.
+   lines and adds the Flite ones). With --data, that folder's train.jsonl and dev.jsonl, and its
+   dev_near.jsonl and dev_synth.jsonl when it has them; with --data and --flite, a hard-linked copy
+   of the folder in OUT/data is given the Flite lines (the folder itself is left as it is). Made
+   once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
    (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.

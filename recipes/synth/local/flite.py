@@ -10,17 +10,17 @@ with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice 
 decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
-"flite+<voice>"); the text and id stay. With --add, the eSpeak lines stay too and each chosen
-one is followed by its Flite line, id "<id>-flite" (the corpus grows by F). Each is given the text
-eSpeak was given (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is not the
-truth of a Flite line. DATA/corpus.json records the fraction
-and the voices. A FLAC whose stored plan key matches is kept on a re-run, and applying the same
-fraction again to a train.jsonl it already rewrote changes nothing. Festival's ked, the unseen
-synthesizer of dev_synth (local/festival.py), is not one of these voices, nor is Festival (the
-program) run: Flite is a separate engine; its kal16 is a diphone voice as ked is, of another
-speaker and database. Flite comes from tools/flite.sh (downloaded and unpacked into --flite-dir,
-default $ASR_FLITE_DIR or ~/.cache/asr-flite, when missing); unlike the dev set, training speech
-that cannot be had fails the run (exit 1) rather than change what the model trains on.
+"flite+<voice>"); the text and id stay. With --add, the eSpeak lines stay too and each chosen one is
+followed by its Flite line, id "<id>-flite" (the corpus grows by F). Each is given the text eSpeak
+was given (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is
+not the truth of a Flite line. DATA/corpus.json records the fraction and the voices. A FLAC whose
+stored plan key matches is kept on a re-run, and applying the same fraction again to a train.jsonl
+it already rewrote changes nothing. Festival's ked, the unseen synthesizer of dev_synth
+(local/festival.py), is not one of these voices, nor is Festival (the program) run: Flite is a
+separate engine; its kal16 is a diphone voice as ked is, of another speaker and database. Flite
+comes from tools/flite.sh (downloaded and unpacked into --flite-dir, default $ASR_FLITE_DIR or
+~/.cache/asr-flite, when missing); unlike the dev set, training speech that cannot be had fails the
+run (exit 1) rather than change what the model trains on.
 """
 from __future__ import annotations
 
