@@ -38,12 +38,18 @@ sf.write(args[9], (6000 * np.sin(2 * np.pi * 300 * t)).astype(np.int16), rate)
 """
 
 
-def fake_flite(tmp_path: Path, monkeypatch) -> Path:
-    script = tmp_path / "fake_flite.py"
-    script.write_text(FAKE)
-    (tmp_path / "flite.sh").write_text(f'[ "$1" = fetch ] && exit 0\nexec {sys.executable} {script} "$@"\n')
-    monkeypatch.setattr(flite, "FLITE_SH", tmp_path / "flite.sh")
+def fake_tool(tmp_path: Path, monkeypatch, module, name: str, source: str) -> Path:
+    """tools/<name>.sh replaced by one whose `fetch` succeeds and whose `run` runs the Python
+    `source`, for module.<NAME>_SH; the file `source` logs its calls to."""
+    script = tmp_path / f"fake_{name}.py"
+    script.write_text(source)
+    (tmp_path / f"{name}.sh").write_text(f'[ "$1" = fetch ] && exit 0\nexec {sys.executable} {script} "$@"\n')
+    monkeypatch.setattr(module, f"{name.upper()}_SH", tmp_path / f"{name}.sh")
     return Path(str(script) + ".calls")
+
+
+def fake_flite(tmp_path: Path, monkeypatch) -> Path:
+    return fake_tool(tmp_path, monkeypatch, flite, "flite", FAKE)
 
 
 def corpus(tmp_path: Path, n: int) -> Path:
@@ -198,7 +204,8 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
         assert Path(cmd[1]) == learning_check.FLITE
         assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
-    args = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=None, flite_add=False, jobs=1)
+    args = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=None, flite_add=False, mbrola=0.0,
+                              mbrola_pitch=None, mbrola_add=False, jobs=1)
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert before == {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}  # the given folder as it was
@@ -208,9 +215,11 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
     assert all((out / u["audio"]).is_file() for u in lines) and (out / "dev.jsonl").is_file()
     assert learning_check.make_data(args, out, tmp_path / "log") == out  # made once: nothing spoken again
     assert len(calls.read_text().splitlines()) == 5
-    plain = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, flite_add=False, jobs=1)
+    plain = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, flite_add=False, mbrola=0.0,
+                              mbrola_pitch=None, mbrola_add=False, jobs=1)
     assert learning_check.make_data(plain, out, tmp_path / "log") == data  # without --flite: the folder itself
-    pitched = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=[0.8, 1.2], flite_add=True, jobs=1)
+    pitched = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=[0.8, 1.2], flite_add=True, mbrola=0.0,
+                              mbrola_pitch=None, mbrola_add=False, jobs=1)
     other = tmp_path / "pitched" / "data"
     assert learning_check.make_data(pitched, other, tmp_path / "log") == other
     assert sum("int_f0_target_mean=" in line for line in calls.read_text().splitlines()[5:]) > 0

@@ -18,10 +18,11 @@ OUT/learning_check.json.
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
-   lines and adds the Flite ones). With --data, that folder's train.jsonl and dev.jsonl, and its
-   dev_near.jsonl and dev_synth.jsonl when it has them; with --data and --flite, a hard-linked copy
-   of the folder in OUT/data is given the Flite lines (the folder itself is left as it is). Made
-   once.
+   lines and adds the Flite ones); with --mbrola F and its --mbrola-pitch and --mbrola-add, the same
+   by MBROLA's voices (recipes/synth/local/mbrola.py), after Flite's. With --data, that folder's
+   train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them; with
+   --data and --flite or --mbrola, a hard-linked copy of the folder in OUT/data is given the new
+   lines (the folder itself is left as it is). Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
    (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.
@@ -59,6 +60,7 @@ from asr.train_setup import load_experiment_config  # noqa: E402
 SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
 FESTIVAL = ROOT / "recipes" / "synth" / "local" / "festival.py"
 FLITE = ROOT / "recipes" / "synth" / "local" / "flite.py"
+MBROLA = ROOT / "recipes" / "synth" / "local" / "mbrola.py"
 # the dev sets: the same held-out lines, one gap each (module docstring)
 DEV_SETS = {"dev": "unseen accents", "dev_near": "unseen voices", "dev_synth": "unseen synthesizer"}
 
@@ -80,9 +82,9 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
         for name in ("train.jsonl", "dev.jsonl"):
             if not (folder / name).is_file():
                 sys.exit(f"learning_check: {folder / name}: no such manifest")
-        if not args.flite:
+        if not args.flite and not args.mbrola:
             return folder
-        if not (data / "train.jsonl").is_file():  # Flite rewrites train.jsonl: a copy, not the given folder
+        if not (data / "train.jsonl").is_file():  # they rewrite train.jsonl: a copy, not the given folder
             linked_copy(folder, data)
         return with_flite(args, data, log)
     if (data / "train.jsonl").is_file() and (data / "dev.jsonl").is_file():
@@ -121,12 +123,13 @@ def linked_copy(src: Path, dst: Path) -> None:
 
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     """--flite F: that fraction of the training lines spoken again by Flite (kept when made before),
-    with --flite-pitch LO HI at a mean pitch drawn per line, with --flite-add beside the eSpeak lines."""
-    if args.flite:
-        pitch = ["--pitch", *args.flite_pitch] if args.flite_pitch else []
-        add = ["--add"] if args.flite_add else []
-        run([sys.executable, FLITE, "train", "--data", data, "--fraction", args.flite, *pitch, *add,
-             "--jobs", args.jobs], log)
+    with --flite-pitch LO HI at a pitch drawn per line, with --flite-add beside the eSpeak lines;
+    then --mbrola F (and its -pitch, -add) by MBROLA's voices."""
+    for script, fraction, pitch, add in ((FLITE, args.flite, args.flite_pitch, args.flite_add),
+                                         (MBROLA, args.mbrola, args.mbrola_pitch, args.mbrola_add)):
+        if fraction:
+            run([sys.executable, script, "train", "--data", data, "--fraction", fraction,
+                 *(["--pitch", *pitch] if pitch else []), *(["--add"] if add else []), "--jobs", args.jobs], log)
     return data
 
 
@@ -209,6 +212,13 @@ def main() -> None:
     p.add_argument("--flite-add", action="store_true",
                    help="with --flite: the Flite lines added beside the eSpeak ones, which all stay "
                         "(flite.py train --add)")
+    p.add_argument("--mbrola", type=float, default=0.0,
+                   help="this fraction of the training lines spoken again by MBROLA's voices "
+                        "(recipes/synth/local/mbrola.py), after --flite's")
+    p.add_argument("--mbrola-pitch", type=float, nargs=2, metavar=("LO", "HI"),
+                   help="with --mbrola: as --flite-pitch (mbrola.py train --pitch)")
+    p.add_argument("--mbrola-add", action="store_true",
+                   help="with --mbrola: the MBROLA lines added beside the others (mbrola.py train --add)")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config")
     args = p.parse_args()
 

@@ -10,9 +10,11 @@ with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice 
 decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
-"flite+<voice>"); the text and id stay. With --add, the eSpeak lines stay too and each chosen one is
-followed by its Flite line, id "<id>-flite" (the corpus grows by F). Each is given the text eSpeak
-was given (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is
+"flite+<voice>"); the text and id stay. It chooses among the corpus's own lines: those another
+engine spoke (local/mbrola.py, which runs this module's machinery with MBROLA) stay as they are.
+With --add, the eSpeak lines stay too and each chosen one is followed by its Flite line, id
+"<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
+(festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is
 not the truth of a Flite line. DATA/corpus.json records the fraction and the voices. A FLAC whose
 stored plan key matches is kept on a re-run, and applying the same fraction again to a train.jsonl
 it already rewrote changes nothing. Festival's ked, the unseen synthesizer of dev_synth
@@ -32,6 +34,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -72,17 +75,22 @@ def default_dir() -> Path:
     return Path(os.environ.get("ASR_FLITE_DIR") or Path.home() / ".cache" / "asr-flite")
 
 
-def fetch(folder: Path) -> Path:
-    """A folder whose flite has the voices (tools/flite.sh fetch), or a FliteError saying why not."""
+def fetch_by(script: Path, folder: Path) -> Path:
+    """A folder that `script fetch` filled (tools/flite.sh, tools/mbrola.sh), or a FliteError saying why not."""
     try:
-        done = subprocess.run(["bash", str(FLITE_SH), "fetch", str(folder)], capture_output=True, text=True,
+        done = subprocess.run(["bash", str(script), "fetch", str(folder)], capture_output=True, text=True,
                               timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise FliteError(f"{FLITE_SH} fetch: {e}") from None
+        raise FliteError(f"{script} fetch: {e}") from None
     if done.returncode:
         lines = done.stderr.strip().splitlines()
-        raise FliteError(lines[-1] if lines else f"{FLITE_SH} fetch failed (exit {done.returncode})")
+        raise FliteError(lines[-1] if lines else f"{script} fetch failed (exit {done.returncode})")
     return folder
+
+
+def fetch(folder: Path) -> Path:
+    """A folder whose flite has the voices (tools/flite.sh fetch), or a FliteError saying why not."""
+    return fetch_by(FLITE_SH, folder)
 
 
 def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) -> np.ndarray:
@@ -106,8 +114,50 @@ def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) 
 
 
 @dataclass(frozen=True)
+class Engine:
+    """A synthesizer that speaks training lines again: Flite here, MBROLA in local/mbrola.py."""
+
+    name: str  # in the plan's seed, the FLAC keys, corpus.json and the speakers ("<name>+<voice>")
+    label: str  # the synthesizer's name in messages
+    voices: tuple[str, ...]
+    folder: str  # under DATA/wav
+    suffix: str  # the id suffix of a line --add gives
+    fetch: Callable[[Path], Path]  # (folder) -> folder, or an error naming what is missing
+    speak: Callable[..., np.ndarray]  # (text, voice, stretch, folder, f0) -> (T,) float32 at SAMPLE_RATE
+    pitch: Callable[[str, float], float]  # (voice, drawn factor) -> Utt.f0 (0: the voice's own)
+
+
+FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, lambda folder: fetch(folder), lambda *a: speak(*a),
+               lambda voice, factor: round(VOICE_F0[voice] * factor) if voice in VOICE_F0 else 0.0)
+
+
+ENGINES = ("flite", "mbrola")  # every engine's name; "-<name>" is its --add suffix
+
+
+def other_engine(line: dict, engine: Engine) -> bool:
+    """Did another engine than `engine` speak this train.jsonl line (its speaker or its id says so)?"""
+    speaker = str(line.get("speaker", ""))
+    return any(speaker.startswith(f"{name}+") or line["id"].endswith(f"-{name}")
+               for name in ENGINES if name != engine.name)
+
+
+def in_engine_order(rows: list[dict]) -> list[dict]:
+    """Manifest lines with each line's added copies right after it in ENGINES' order, whichever
+    engine ran last (the manifest is the same after any order of re-runs)."""
+    def base_and_rank(row: dict) -> tuple[str, int]:
+        for rank, name in enumerate(ENGINES, 1):
+            if row["id"].endswith(f"-{name}"):
+                return row["id"].removesuffix(f"-{name}"), rank
+        return row["id"], 0
+    first: dict[str, int] = {}
+    for row in rows:
+        first.setdefault(base_and_rank(row)[0], len(first))
+    return sorted(rows, key=lambda row: (first[base_and_rank(row)[0]], base_and_rank(row)[1]))
+
+
+@dataclass(frozen=True)
 class Utt:
-    """One training utterance spoken by Flite: its id and text (train.jsonl's) and how it is spoken."""
+    """One training utterance spoken again: its id and text (train.jsonl's) and how it is spoken."""
 
     id: str
     text: str
@@ -116,28 +166,30 @@ class Utt:
     lead: float  # seconds of silence before the speech
     tail: float  # and after
     snr_db: float  # noise floor, as synthesize.Utt's
-    f0: float = 0.0  # mean F0 in Hz (--pitch); 0: the voice's own
+    f0: float = 0.0  # the engine's pitch (--pitch): Flite's mean F0 (Hz), MBROLA's eSpeak 0-100; 0: own
+    engine: Engine = FLITE
 
     @property
     def audio(self) -> str:
-        return f"wav/{FOLDER}/{self.id}.flac"
+        return f"wav/{self.engine.folder}/{self.id}.flac"
 
     @property
     def key(self) -> str:
         """Digest of everything that shapes the audio, stored in the FLAC."""
-        shape = {k: v for k, v in asdict(self).items() if k != "f0" or v}  # without --pitch, the keys of before
-        return hashlib.sha1(json.dumps({**shape, "engine": "flite"}, sort_keys=True).encode()).hexdigest()
+        # without --pitch, the keys of before
+        shape = {k: v for k, v in asdict(self).items() if (k != "f0" or v) and k != "engine"}
+        return hashlib.sha1(json.dumps({**shape, "engine": self.engine.name}, sort_keys=True).encode()).hexdigest()
 
 
 def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, float] | None = None,
-         suffix: str = "") -> list[Utt]:
+         suffix: str = "", engine: Engine = FLITE) -> list[Utt]:
     """round(fraction x len(train)) of the training utterances (a seeded choice, in id order), each
-    with its voice (shuffled decks of VOICES), speed, edges and noise drawn from the seed; with
-    `pitch` (lo, hi), the voices of VOICE_F0 speak at their own mean F0 times a factor drawn in it
-    (from a stream of its own: the other draws are those made without it); `suffix` is added to
-    each id (--add's lines)."""
-    rng = random.Random(f"synth-flite:{seed}")
-    pitch_rng = random.Random(f"synth-flite-pitch:{seed}")
+    with its voice (shuffled decks of the engine's voices), speed, edges and noise drawn from the
+    seed; with `pitch` (lo, hi), each voice speaks at its own pitch times a factor drawn in it (from
+    a stream of its own: the other draws are those made without it; engine.pitch turns it into the
+    engine's setting); `suffix` is added to each id (--add's lines)."""
+    rng = random.Random(f"synth-{engine.name}:{seed}")
+    pitch_rng = random.Random(f"synth-{engine.name}-pitch:{seed}")
     ordered = sorted(train, key=lambda u: u["id"])
     chosen = sorted(rng.sample(range(len(ordered)), round(fraction * len(ordered))))
 
@@ -148,14 +200,12 @@ def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, floa
     utts = []
     for i in chosen:
         if not deck:
-            deck = rng.sample(VOICES, len(VOICES))
+            deck = rng.sample(engine.voices, len(engine.voices))
         u = Utt(id=ordered[i]["id"] + suffix, text=ordered[i]["text"], voice=deck.pop(),
                 stretch=round(rng.uniform(*DURATION_STRETCH), 3), lead=edge(), tail=edge(),
-                snr_db=round(rng.uniform(*NOISE_SNR_DB), 1))
+                snr_db=round(rng.uniform(*NOISE_SNR_DB), 1), engine=engine)
         if pitch:
-            factor = pitch_rng.uniform(*pitch)
-            if u.voice in VOICE_F0:
-                u = replace(u, f0=round(VOICE_F0[u.voice] * factor))
+            u = replace(u, f0=engine.pitch(u.voice, pitch_rng.uniform(*pitch)))
         utts.append(u)
     return utts
 
@@ -165,7 +215,7 @@ def _render(data: Path, folder: Path, u: Utt) -> int:
     frames = existing_frames(data / u.audio, u.key)
     if frames is None:
         try:
-            y = speak(u.text, u.voice, u.stretch, folder, u.f0)
+            y = u.engine.speak(u.text, u.voice, u.stretch, folder, u.f0)
         except FliteError as e:
             raise FliteError(f"{u.id}: {e}") from None
         samples = with_edges_and_noise(y, u.lead, u.tail, u.snr_db, u.key)
@@ -175,9 +225,11 @@ def _render(data: Path, folder: Path, u: Utt) -> int:
 
 
 def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None = None, jobs: int = 1,
-                   pitch: tuple[float, float] | None = None, add: bool = False) -> list[Utt]:
+                   pitch: tuple[float, float] | None = None, add: bool = False, engine: Engine = FLITE) -> list[Utt]:
     """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl, or with `add`
-    follow each with its Flite line (module docstring)."""
+    follow each with the engine's line (module docstring). The plan chooses among the corpus's own
+    lines: another engine's lines stay as they are, and this engine's earlier added ones are made
+    again from the plan."""
     manifest = data / "train.jsonl"
     lines = []
     for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
@@ -187,63 +239,72 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
             lines.append(json.loads(line))
         except ValueError as e:
             raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
-    lines = [x for x in lines if not x["id"].endswith(ADDED)]  # an earlier --add's: made again from the plan
+    lines = [x for x in lines if not x["id"].endswith(engine.suffix)]  # an earlier --add's: made again from the plan
     card_path = data / "corpus.json"
     card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     if seed is None:
         seed = card.get("seed", 0)
-    utts = plan(lines, fraction, seed, pitch, ADDED if add else "")
+    own = [x for x in lines if not other_engine(x, engine)]
+    utts = plan(own, fraction, seed, pitch, engine.suffix if add else "", engine)
     todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
     if todo:
-        fetch(folder)
-    with ThreadPoolExecutor(max(1, jobs)) as pool:  # each call is its own flite process
+        engine.fetch(folder)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:  # each call is its own process
         frames = dict(zip((u.id for u in utts), pool.map(lambda u: _render(data, folder, u), utts)))
-    by_id = {u.id.removesuffix(ADDED) if add else u.id: u for u in utts}
+    by_id = {u.id.removesuffix(engine.suffix) if add else u.id: u for u in utts}
+    rows = []
+    for line in lines:
+        u = by_id.get(line["id"])
+        if u is not None:
+            spoken = {**line, "id": u.id, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE,
+                      "speaker": f"{engine.name}+{u.voice}"}
+            rows += [line, spoken] if add else [spoken]
+        else:
+            rows.append(line)
     with atomic_open(manifest) as f:
-        for line in lines:
-            out, u = [line], by_id.get(line["id"])
-            if u is not None:
-                spoken = {**line, "id": u.id, "audio": u.audio, "duration": frames[u.id] / SAMPLE_RATE,
-                          "speaker": f"flite+{u.voice}"}
-                out = [line, spoken] if add else [spoken]
-            f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in out)
+        f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in in_engine_order(rows))
     if card:
-        card["flite"] = {"fraction": fraction, "voices": list(VOICES), "utterances": len(utts),
+        card[engine.name] = {"fraction": fraction, "voices": list(engine.voices), "utterances": len(utts),
                          **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {})}
         with atomic_open(card_path) as f:
             f.write(json.dumps(card, indent=1) + "\n")
-    print(f"flite: {len(utts)} of {len(lines)} training utterances spoken by Flite ({', '.join(VOICES)}"
+    print(f"{engine.name}: {len(utts)} of {len(own)} training utterances spoken by {engine.label} "
+          f"({', '.join(engine.voices)}"
           f"{'; added beside them' if add else ''}) in "
           f"{data}: {len(todo)} made, {len(utts) - len(todo)} kept", file=sys.stderr)
     return utts
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def main(argv: list[str] | None = None, engine: Engine = FLITE, doc: str = __doc__,
+         folder: tuple[str, Path, str] = ("--flite-dir", default_dir(), "tools/flite.sh unpacks Flite")) -> int:
+    """The command line of an engine's script: `doc` its docstring, `folder` (option, default, what
+    the folder holds)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="a fraction of DATA/train.jsonl spoken again by Flite")
+    p = sub.add_parser("train", help=f"a fraction of DATA/train.jsonl spoken again by {engine.label}")
     p.add_argument("--data", type=Path, required=True, help="the corpus folder (train.jsonl)")
     p.add_argument("--fraction", type=float, required=True, help="of the training utterances, in [0, 1]")
     p.add_argument("--seed", type=int, help="default: DATA/corpus.json's, else 0")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="flite processes at a time")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="synthesizer processes at a time")
     p.add_argument("--pitch", type=float, nargs=2, metavar=("LO", "HI"),
-                   help="mean F0 of kal16, awb and slt: their own times a factor drawn per line in [LO, HI]")
+                   help="each voice's pitch: its own times a factor drawn per line in [LO, HI]")
     p.add_argument("--add", action="store_true",
-                   help="keep the eSpeak lines and add the Flite ones beside them (ids <id>-flite)")
+                   help=f"keep the eSpeak lines and add the {engine.label} ones beside them (ids <id>{engine.suffix})")
     q = sub.add_parser("say", help="speak one text into a 16 kHz FLAC")
     q.add_argument("text")
     q.add_argument("out", type=Path)
-    q.add_argument("--voice", choices=VOICES, default=VOICES[0])
+    q.add_argument("--voice", choices=engine.voices, default=engine.voices[0])
+    option, default, holds = folder
     for x in (p, q):
-        x.add_argument("--flite-dir", type=Path, default=default_dir(),
-                       help="where tools/flite.sh unpacks Flite (default $ASR_FLITE_DIR or ~/.cache/asr-flite)")
+        x.add_argument(option, dest="folder", type=Path, default=default, help=f"where {holds} (default {default})")
     args = parser.parse_args(argv)
     try:
         if args.command == "say":
-            y = speak(args.text, args.voice, 1.0, fetch(args.flite_dir))
+            y = engine.speak(args.text, args.voice, 1.0, engine.fetch(args.folder), 0.0)
             samples = np.clip(np.rint(y), -32768, 32767).astype(np.int16)
-            write_flac(args.out, samples, key=f"flite:{args.voice}:{hashlib.sha1(args.text.encode()).hexdigest()}")
+            write_flac(args.out, samples,
+                       key=f"{engine.name}:{args.voice}:{hashlib.sha1(args.text.encode()).hexdigest()}")
             print(f"{args.out}: {len(samples) / SAMPLE_RATE:.2f} s at {SAMPLE_RATE} Hz ({args.voice})")
             return 0
         if not 0.0 <= args.fraction <= 1.0:
@@ -251,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pitch and not 0 < args.pitch[0] <= args.pitch[1]:
             parser.error("--pitch LO HI: 0 < LO <= HI")
         pitch = tuple(args.pitch) if args.pitch else None
-        mix_into_train(args.data, args.fraction, args.flite_dir, args.seed, args.jobs, pitch, args.add)
+        mix_into_train(args.data, args.fraction, args.folder, args.seed, args.jobs, pitch, args.add, engine)
     except (FliteError, OSError, ValueError, KeyError) as e:
-        print(f"flite: error: {e}", file=sys.stderr)
+        print(f"{engine.name}: error: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,163 @@
+"""Training speech from a third synthesizer (recipes/synth/local/mbrola.py, on local/flite.py's
+machinery): MBROLA's lines beside eSpeak's and Flite's, each engine choosing among the corpus's own
+lines, eSpeak's speed and pitch settings, the learning check's --mbrola, and the real MBROLA when it
+can be fetched."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes" / "synth" / "local"))  # the recipe's helpers are scripts
+sys.path.insert(0, str(ROOT / "tools"))
+
+import flite  # noqa: E402
+import learning_check  # noqa: E402
+import mbrola  # noqa: E402
+from test_synth_flite import corpus, fake_flite, fake_tool  # noqa: E402
+
+# a fake tools/mbrola.sh: `run DIR -v mb-V -s WPM [-p P] -w OUT -- TEXT` writes a tone of 0.1 s per
+# character (at 22,050 Hz for en1, to be resampled; else 16 kHz) and logs the call (voice, wpm,
+# pitch or "-", text)
+FAKE = """\
+import sys
+import numpy as np, soundfile as sf
+args = sys.argv[1:]
+assert args[0] == 'run' and args[2] == '-v' and args[4] == '-s' and args[-4] == '-w' and args[-2] == '--'
+pitch = args[7] if args[6] == '-p' else '-'
+open(__file__ + '.calls', 'a').write(' '.join([args[3], args[5], pitch, args[-1]]) + '\\n')
+rate = 22050 if args[3] == 'mb-en1' else 16000
+t = np.arange(int(0.1 * rate * len(args[-1]))) / rate
+sf.write(args[-3], (6000 * np.sin(2 * np.pi * 200 * t)).astype(np.int16), rate)
+"""
+
+
+def fake_mbrola(tmp_path: Path, monkeypatch) -> Path:
+    return fake_tool(tmp_path, monkeypatch, mbrola, "mbrola", FAKE)
+
+
+def train(data: Path, *extra: str) -> int:
+    """local/mbrola.py train, as its command line runs it."""
+    return flite.main(["train", "--data", str(data), "--mbrola-dir", "DIR", *extra], engine=mbrola.MBROLA,
+                      doc=mbrola.__doc__, folder=("--mbrola-dir", mbrola.default_dir(), "MBROLA"))
+
+
+def lines_of(data: Path) -> list[dict]:
+    return [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+
+
+def test_mbrola_lines_join_flite_ones_and_each_engine_plans_among_the_corpus_own_lines(tmp_path, monkeypatch):
+    fake_flite(tmp_path, monkeypatch)
+    calls = fake_mbrola(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 20)
+    before = lines_of(data)
+    flite_args = ["train", "--data", str(data), "--fraction", "0.5", "--flite-dir", "DIR", "--add"]
+    assert flite.main(flite_args) == 0
+    with_flite = lines_of(data)
+    assert train(data, "--fraction", "0.5", "--add") == 0
+    after = lines_of(data)
+    assert [u for u in after if not u["id"].endswith("-mbrola")] == with_flite  # Flite's lines as they were
+    planned = {u.id: u for u in flite.plan(before, 0.5, seed=3, suffix="-mbrola", engine=mbrola.MBROLA)}
+    added = [(i, u) for i, u in enumerate(after) if u["id"].endswith("-mbrola")]
+    assert [u["id"] for _, u in added] == sorted(planned) and len(added) == 10
+    assert {u.id for u in planned.values()} != {u.id for u in flite.plan(before, 0.5, seed=3, suffix="-mbrola")}
+    for i, u in added:
+        own = after[i - 1] if not after[i - 1]["id"].endswith("-flite") else after[i - 2]
+        assert u["id"] == own["id"] + "-mbrola" and u["text"] == own["text"] and own in before
+        assert u["speaker"] == f"mbrola+{planned[u['id']].voice}"
+        assert u["audio"] == f"wav/train_mbrola/{u['id']}.flac"
+        info = sf.info(str(data / u["audio"]))
+        assert (info.samplerate, info.channels) == (16000, 1) and u["duration"] == info.frames / 16000
+    assert {planned[u["id"]].voice for _, u in added} == set(mbrola.VOICES)
+    card = json.loads((data / "corpus.json").read_text())
+    assert card["mbrola"] == {"fraction": 0.5, "voices": list(mbrola.VOICES), "utterances": 10, "added": True}
+    assert card["flite"]["added"] is True
+    text = (data / "train.jsonl").read_text()
+    assert train(data, "--fraction", "0.5", "--add") == 0 and flite.main(flite_args) == 0
+    assert (data / "train.jsonl").read_text() == text  # either engine again: nothing changes
+    assert len(calls.read_text().splitlines()) == 10  # every FLAC kept, none spoken again
+
+
+def test_mbrola_speed_and_pitch_are_espeak_rate_and_pitch_settings(tmp_path, monkeypatch):
+    calls = fake_mbrola(tmp_path, monkeypatch)
+    assert [mbrola.espeak_pitch(f) for f in (1.0, 2 ** (1 / 3), 2 ** (-1 / 3), 4.0, 0.1)] == [50, 75, 25, 100, 0]
+    data = corpus(tmp_path, 12)
+    before = lines_of(data)
+    assert train(data, "--fraction", "1", "--pitch", "0.75", "1.35", "--jobs", "1") == 0
+    planned = {u.text: u for u in flite.plan(before, 1.0, seed=3, pitch=(0.75, 1.35), engine=mbrola.MBROLA)}
+    logged = [line.split(" ", 3) for line in calls.read_text().splitlines()]
+    assert len(logged) == 12
+    for voice, wpm, pitch, text in logged:
+        u = planned[text.rstrip(".").upper()]  # eSpeak's text: lower case, ended as a sentence
+        assert voice == f"mb-{u.voice}" and int(wpm) == round(170 / u.stretch) and 136 <= int(wpm) <= 200
+        assert int(pitch) == u.f0 and 19 <= u.f0 <= 82  # 50 + 75 log2 of [0.75, 1.35]
+    assert len({u.f0 for u in planned.values()}) > 5
+    assert all(u["speaker"].startswith("mbrola+") for u in lines_of(data))  # swapped, ids kept
+    assert [u["id"] for u in lines_of(data)] == [u["id"] for u in before]
+
+
+def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, monkeypatch):
+    fake_flite(tmp_path, monkeypatch)
+    fake_mbrola(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 10)
+    (data / "dev.jsonl").write_text('{"id": "dev-000000"}\n')
+    ran = []
+
+    def run(cmd, log, env=None):  # each step in this process, with the fakes
+        ran.append(Path(cmd[1]).name)
+        if Path(cmd[1]) == learning_check.MBROLA:
+            assert train(Path(cmd[4]), *[str(c) for c in cmd[5:]]) == 0
+        else:
+            assert flite.main([str(c) for c in cmd[2:]]) == 0
+    monkeypatch.setattr(learning_check, "run", run)
+    args = argparse.Namespace(data=str(data), flite=0.4, flite_pitch=None, flite_add=True, mbrola=0.6,
+                              mbrola_pitch=[0.8, 1.2], mbrola_add=True, jobs=1)
+    out = tmp_path / "check" / "data"
+    assert learning_check.make_data(args, out, tmp_path / "log") == out
+    assert ran == ["flite.py", "mbrola.py"]
+    speakers = [u["speaker"].split("+")[0] for u in lines_of(out)]
+    assert speakers.count("flite") == 4 and speakers.count("mbrola") == 6 and len(speakers) == 20
+    assert not (data / "wav" / "train_mbrola").exists()  # the given folder as it was
+    only = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, flite_add=False, mbrola=0.5,
+                              mbrola_pitch=None, mbrola_add=False, jobs=1)
+    other = tmp_path / "only" / "data"
+    assert learning_check.make_data(only, other, tmp_path / "log") == other  # --mbrola alone: a copy too
+
+
+@pytest.mark.slow
+def test_mbrola_voices_speak_a_line_into_a_16khz_flac(tmp_path):
+    """MBROLA fetched (tools/mbrola.sh: Debian's espeak-ng, mbrola and its voices unpacked into the
+    user's cache, a network download: slow-marked for that); each voice speaks a line, slower with a
+    larger stretch, higher with a larger pitch factor."""
+    try:
+        folder = mbrola.fetch(mbrola.default_dir())
+    except flite.FliteError as e:
+        pytest.skip(f"MBROLA cannot be fetched here: {e}")
+    import torch
+    import torchaudio
+
+    def f0(y: np.ndarray) -> float:
+        pitch = torchaudio.functional.detect_pitch_frequency(torch.from_numpy(y / 32768.0).float(), 16000,
+                                                             freq_low=60, freq_high=400)
+        return float(pitch.median())
+
+    line = "A MAN WHO WAS WALKING ALONG THE ROAD SAW MANY ANIMALS THERE"
+    for voice in mbrola.VOICES:
+        out = tmp_path / f"{voice}.flac"
+        assert flite.main(["say", line, str(out), "--voice", voice, "--mbrola-dir", str(folder)],
+                                               engine=mbrola.MBROLA, doc=mbrola.__doc__,
+                                               folder=("--mbrola-dir", folder, "MBROLA")) == 0
+        info = sf.info(str(out))
+        assert (info.samplerate, info.channels, info.format, info.subtype) == (16000, 1, "FLAC", "PCM_16")
+        samples = sf.read(str(out), dtype="int16")[0]
+        assert 1.5 < len(samples) / 16000 < 8.0 and np.abs(samples).max() > 3000  # speech, not silence
+        assert len(mbrola.speak(line, voice, 1.25, folder)) > 1.1 * len(samples)
+        if voice != "us1":  # the male voices (the female one's pitch tracker errs by octaves)
+            low, high = (f0(mbrola.speak(line, voice, 1.0, folder, mbrola.espeak_pitch(f))) for f in (0.8, 1.25))
+            assert 1.3 < high / low < 1.9  # 1.56 asked
