@@ -16,6 +16,7 @@ import soundfile as sf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "synth" / "local"))  # the recipe's helpers are scripts
+sys.path.insert(0, str(ROOT / "tools"))
 
 import flite  # noqa: E402
 
@@ -187,10 +188,18 @@ def test_flite_voices_speak_a_line_into_a_16khz_flac(tmp_path):
         assert len(slow) > 1.1 * len(samples)
 
 
-def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "tools"))
+def check_args(data: Path, **given):
+    """learning_check's arguments for make_data: the corpus folder, no other synthesizer but those given."""
     import argparse
 
+    import learning_check
+    args = {"data": str(data), "jobs": 1}
+    for name in learning_check.ENGINES:
+        args.update({name: 0.0, f"{name}_pitch": None, f"{name}_add": False})
+    return argparse.Namespace(**{**args, **given})
+
+
+def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, monkeypatch):
     import learning_check
 
     calls = fake_flite(tmp_path, monkeypatch)
@@ -204,8 +213,7 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
         assert Path(cmd[1]) == learning_check.FLITE
         assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
-    args = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=None, flite_add=False, mbrola=0.0,
-                              mbrola_pitch=None, mbrola_add=False, jobs=1)
+    args = check_args(data, flite=0.5)
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert before == {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}  # the given folder as it was
@@ -215,11 +223,9 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
     assert all((out / u["audio"]).is_file() for u in lines) and (out / "dev.jsonl").is_file()
     assert learning_check.make_data(args, out, tmp_path / "log") == out  # made once: nothing spoken again
     assert len(calls.read_text().splitlines()) == 5
-    plain = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, flite_add=False, mbrola=0.0,
-                              mbrola_pitch=None, mbrola_add=False, jobs=1)
+    plain = check_args(data, flite=0.0)
     assert learning_check.make_data(plain, out, tmp_path / "log") == data  # without --flite: the folder itself
-    pitched = argparse.Namespace(data=str(data), flite=0.5, flite_pitch=[0.8, 1.2], flite_add=True, mbrola=0.0,
-                              mbrola_pitch=None, mbrola_add=False, jobs=1)
+    pitched = check_args(data, flite=0.5, flite_pitch=[0.8, 1.2], flite_add=True)
     other = tmp_path / "pitched" / "data"
     assert learning_check.make_data(pitched, other, tmp_path / "log") == other
     assert sum("int_f0_target_mean=" in line for line in calls.read_text().splitlines()[5:]) > 0

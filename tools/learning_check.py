@@ -18,11 +18,11 @@ OUT/learning_check.json.
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
-   lines and adds the Flite ones); with --mbrola F and its --mbrola-pitch and --mbrola-add, the same
-   by MBROLA's voices (recipes/synth/local/mbrola.py), after Flite's. With --data, that folder's
-   train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl when it has them; with
-   --data and --flite or --mbrola, a hard-linked copy of the folder in OUT/data is given the new
-   lines (the folder itself is left as it is). Made once.
+   lines and adds the Flite ones); with --mbrola F and --pico F, and their -pitch and -add, the
+   same by MBROLA's and SVOX Pico's voices (recipes/synth/local/mbrola.py, pico.py), after Flite's.
+   With --data, that folder's train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl
+   when it has them; with --data and any of them, a hard-linked copy of the folder in OUT/data is
+   given the new lines (the folder itself is left as it is). Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
    (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.
@@ -61,6 +61,10 @@ SYNTHESIZE = ROOT / "recipes" / "synth" / "local" / "synthesize.py"
 FESTIVAL = ROOT / "recipes" / "synth" / "local" / "festival.py"
 FLITE = ROOT / "recipes" / "synth" / "local" / "flite.py"
 MBROLA = ROOT / "recipes" / "synth" / "local" / "mbrola.py"
+PICO = ROOT / "recipes" / "synth" / "local" / "pico.py"
+# the other synthesizers, each option --NAME F [--NAME-pitch LO HI] [--NAME-add], run in this order
+ENGINES = {"flite": (FLITE, "Flite's voices"), "mbrola": (MBROLA, "MBROLA's voices"),
+           "pico": (PICO, "SVOX Pico's voices")}
 # the dev sets: the same held-out lines, one gap each (module docstring)
 DEV_SETS = {"dev": "unseen accents", "dev_near": "unseen voices", "dev_synth": "unseen synthesizer"}
 
@@ -82,7 +86,7 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
         for name in ("train.jsonl", "dev.jsonl"):
             if not (folder / name).is_file():
                 sys.exit(f"learning_check: {folder / name}: no such manifest")
-        if not args.flite and not args.mbrola:
+        if not any(getattr(args, name) for name in ENGINES):
             return folder
         if not (data / "train.jsonl").is_file():  # they rewrite train.jsonl: a copy, not the given folder
             linked_copy(folder, data)
@@ -124,9 +128,9 @@ def linked_copy(src: Path, dst: Path) -> None:
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     """--flite F: that fraction of the training lines spoken again by Flite (kept when made before),
     with --flite-pitch LO HI at a pitch drawn per line, with --flite-add beside the eSpeak lines;
-    then --mbrola F (and its -pitch, -add) by MBROLA's voices."""
-    for script, fraction, pitch, add in ((FLITE, args.flite, args.flite_pitch, args.flite_add),
-                                         (MBROLA, args.mbrola, args.mbrola_pitch, args.mbrola_add)):
+    then --mbrola F and --pico F (and their -pitch, -add) by MBROLA's and Pico's voices."""
+    for name, (script, _) in ENGINES.items():
+        fraction, pitch, add = (getattr(args, name + k) for k in ("", "_pitch", "_add"))
         if fraction:
             run([sys.executable, script, "train", "--data", data, "--fraction", fraction,
                  *(["--pitch", *pitch] if pitch else []), *(["--add"] if add else []), "--jobs", args.jobs], log)
@@ -202,23 +206,17 @@ def main() -> None:
     p.add_argument("--below", type=float, default=0.5, help="off the plateau: CTC loss per token < this x ln V")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="synthesis processes")
-    p.add_argument("--flite", type=float, default=0.0,
-                   help="this fraction of the training lines spoken again by Flite "
-                        "(recipes/synth/local/flite.py), as recipes/synth/run.sh --flite; with --data, "
-                        "in a hard-linked copy of that folder")
-    p.add_argument("--flite-pitch", type=float, nargs=2, metavar=("LO", "HI"),
-                   help="with --flite: each Flite line at its voice's mean pitch times a factor drawn "
-                        "in [LO, HI] (flite.py train --pitch)")
-    p.add_argument("--flite-add", action="store_true",
-                   help="with --flite: the Flite lines added beside the eSpeak ones, which all stay "
-                        "(flite.py train --add)")
-    p.add_argument("--mbrola", type=float, default=0.0,
-                   help="this fraction of the training lines spoken again by MBROLA's voices "
-                        "(recipes/synth/local/mbrola.py), after --flite's")
-    p.add_argument("--mbrola-pitch", type=float, nargs=2, metavar=("LO", "HI"),
-                   help="with --mbrola: as --flite-pitch (mbrola.py train --pitch)")
-    p.add_argument("--mbrola-add", action="store_true",
-                   help="with --mbrola: the MBROLA lines added beside the others (mbrola.py train --add)")
+    for name, (script, label) in ENGINES.items():
+        p.add_argument(f"--{name}", type=float, default=0.0, metavar="F",
+                       help=f"this fraction of the training lines spoken again by {label} "
+                            f"(recipes/synth/local/{script.name}, as recipes/synth/run.sh --{name}); with "
+                            "--data, in a hard-linked copy of that folder")
+        p.add_argument(f"--{name}-pitch", type=float, nargs=2, metavar=("LO", "HI"),
+                       help=f"with --{name}: each line at its voice's pitch times a factor drawn in [LO, HI] "
+                            f"({script.name} train --pitch)")
+        p.add_argument(f"--{name}-add", action="store_true",
+                       help=f"with --{name}: those lines added beside the others, which all stay "
+                            f"({script.name} train --add)")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config")
     args = p.parse_args()
 

@@ -5,18 +5,18 @@
 # recipe's training speech from a third synthesizer (recipes/synth/local/mbrola.py) speaks with it.
 #
 #   tools/mbrola.sh fetch [DIR]     unpack espeak-ng and espeak-ng-data (tools/debunpack.sh, Debian main)
-#                                   and download mbrola and mbrola-{us1,us2,us3,en1} (Debian's contrib
-#                                   and non-free, pinned by SHA-256, from deb.debian.org) into DIR
-#                                   unless they speak there already; prints DIR
+#                                   and mbrola and mbrola-{us1,us2,us3,en1} (Debian's contrib and
+#                                   non-free, pinned by SHA-256: tools/debpinned.sh) into DIR unless
+#                                   they speak there already; prints DIR
 #   tools/mbrola.sh run DIR ARGS... DIR's espeak-ng with the voices, e.g. -v mb-us2 -s 160 -w out.wav "SOME TEXT"
 #
-# DIR: $ASR_MBROLA_DIR, else ~/.cache/asr-mbrola (~30 MB). The MBROLA voices' licence allows
-# non-commercial, non-military use only (Debian's non-free): speech made with them, and a model
-# trained on it, carry that. Errors: one line on stderr naming what is missing, exit 1.
+# DIR: $ASR_MBROLA_DIR, else ~/.cache/asr-mbrola (~43 MB). The voices are Debian non-free: their
+# licence (DIR/root/usr/share/doc/mbrola-*/copyright) allows speech with the MBROLA program only, and
+# no sale, nor use in a product that is sold, without the database owner's permission; mind that for
+# a model trained on their speech. Errors: one line on stderr naming what is missing, exit 1.
 set -euo pipefail
 
 VOICES=(us1 us2 us3 en1)
-MIRROR=${ASR_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 DEBS=(  # path under the mirror, SHA-256 (Debian 12 and 13 carry these same files)
   "pool/contrib/m/mbrola/mbrola_3.3+dfsg-9_amd64.deb d94ea5bbb8b201935e8a40d758f1a224030d13a1ba669cc75293823933554c7f"
   "pool/non-free/m/mbrola-us1/mbrola-us1_0.3+repack2-5_all.deb b3284caecfc47023bca46550c5f7cde2f4e8cb4ac3b60840ff8784914c7c85fd"
@@ -47,24 +47,12 @@ works() {  # DIR: does every voice speak? (quietly)
   for v in "${VOICES[@]}"; do (run "$1" -v "mb-$v" -q "test") >/dev/null 2>&1 || return 1; done
 }
 
-download() {  # URL OUT
-  if command -v curl >/dev/null; then curl -fsSL -m 300 -o "$2" "$1"
-  else python3 -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' "$1" "$2"
-  fi
-}
-
 fetch() {
   local dir=$1
   if works "$dir"; then echo "$dir"; return 0; fi
   "$BASH" "$tools/debunpack.sh" MBROLA "$dir" espeak-ng espeak-ng espeak-ng-data || exit 1
-  local tmp entry path sum deb v data
-  tmp=$(mktemp -d "$dir/.mbrola.XXXXXX"); trap 'rm -rf "$tmp"' RETURN
-  for entry in "${DEBS[@]}"; do
-    read -r path sum <<<"$entry"; deb=$tmp/${path##*/}
-    download "$MIRROR/$path" "$deb" 2>/dev/null || die "cannot download $MIRROR/$path"
-    [ "$(sha256sum "$deb" | cut -d' ' -f1)" = "$sum" ] || die "$MIRROR/$path: SHA-256 differs from the pinned one"
-    dpkg-deb -x "$deb" "$dir/root" || die "dpkg-deb -x $deb failed"
-  done
+  "$BASH" "$tools/debpinned.sh" MBROLA "$dir" "${DEBS[@]}" || exit 1
+  local v data
   data=$(data_of "$dir") || die "no espeak-ng-data unpacked in $dir/root/usr/lib"
   mkdir -p "$data/espeak-ng-data/mbrola"
   for v in "${VOICES[@]}"; do ln -sfn "$dir/root/usr/share/mbrola/$v/$v" "$data/espeak-ng-data/mbrola/$v"; done

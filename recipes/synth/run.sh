@@ -7,7 +7,7 @@
 #                             [--num-train N] [--num-dev N] [--num-test N] [--num-dev-near N]
 #                             [--num-dev-synth N] [--festival-dir DIR]
 #                             [--flite F [--flite-pitch LO HI] [--flite-add] [--flite-dir DIR]]
-#                             [--mbrola F [--mbrola-pitch LO HI] [--mbrola-add] [--mbrola-dir DIR]]
+#                             [--mbrola F ...] [--pico F ...] (as --flite's)
 #                             [--extra-dev-decodes open|all]
 #                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [--streaming] [section.key=value ...]
@@ -19,7 +19,8 @@
 #     training utterances spoken again by Flite (local/flite.py, tools/flite.sh; --flite 0: none),
 #     each at a pitch drawn in [LO, HI] x its own with --flite-pitch, beside the eSpeak line with
 #     --flite-add (else instead of it); then --mbrola's by MBROLA's voices (local/mbrola.py,
-#     tools/mbrola.sh; non-commercial use only), likewise
+#     tools/mbrola.sh: mind the voices' licence there) and --pico's by SVOX Pico's (local/pico.py,
+#     tools/pico.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
 #   4 average checkpoints          5 decode dev and test: open vocabulary, with the training words as
@@ -45,7 +46,8 @@ root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
 num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
-flite=0; flite_pitch=(); flite_add=(); flite_dir=""; mbrola=0; mbrola_pitch=(); mbrola_add=(); mbrola_dir=""
+engines=(flite mbrola pico)  # the other synthesizers, local/<name>.py, run in this order
+declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0) pitch=() add=() engine_dir=()
 lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""; streaming=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
@@ -61,14 +63,10 @@ while [ $# -gt 0 ]; do
     --num-dev-near) num_dev_near=$2; shift 2;;
     --num-dev-synth) num_dev_synth=$2; shift 2;;
     --festival-dir) festival_dir=$(abspath "$2"); shift 2;;
-    --flite) flite=$2; shift 2;;
-    --flite-pitch) flite_pitch=(--pitch "$2" "$3"); shift 3;;
-    --flite-add) flite_add=(--add); shift;;
-    --flite-dir) flite_dir=$(abspath "$2"); shift 2;;
-    --mbrola) mbrola=$2; shift 2;;
-    --mbrola-pitch) mbrola_pitch=(--pitch "$2" "$3"); shift 3;;
-    --mbrola-add) mbrola_add=(--add); shift;;
-    --mbrola-dir) mbrola_dir=$(abspath "$2"); shift 2;;
+    --flite|--mbrola|--pico) fraction[${1#--}]=$2; shift 2;;
+    --flite-pitch|--mbrola-pitch|--pico-pitch) e=${1#--}; pitch[${e%-pitch}]="$2 $3"; shift 3;;
+    --flite-add|--mbrola-add|--pico-add) e=${1#--}; add[${e%-add}]=1; shift;;
+    --flite-dir|--mbrola-dir|--pico-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
     --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
     --lm-clauses) lm_clauses=$2; shift 2;;
@@ -78,7 +76,7 @@ while [ $# -gt 0 ]; do
     --nproc) nproc=$2; shift 2;;
     --seed) seed=$2; shift 2;;
     --streaming) streaming=1; overrides+=(model.causal_conv=true model.dynamic_chunk=true); shift;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0;;  # the header
     *=*) overrides+=("$1"); shift;;
     *) echo "run.sh: unknown option $1" >&2; exit 2;;
   esac
@@ -120,15 +118,15 @@ synthesize() {
   python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev "$num_dev" --num-test "$num_test" \
     --num-dev-near "$num_dev_near" --seed "$seed" "${text_args[@]}"
   python local/festival.py dev-set --data "$data" --num "$num_dev_synth" ${festival_dir:+--festival-dir "$festival_dir"}
-  # (synthesize.py has just rewritten train.jsonl: eSpeak's alone)
-  case $flite in 0|0.0|.0) ;; *)
-    python local/flite.py train --data "$data" --fraction "$flite" "${flite_pitch[@]}" "${flite_add[@]}" \
-      ${flite_dir:+--flite-dir "$flite_dir"};; esac
-  case $mbrola in 0|0.0|.0) ;; *)
-    python local/mbrola.py train --data "$data" --fraction "$mbrola" "${mbrola_pitch[@]}" "${mbrola_add[@]}" \
-      ${mbrola_dir:+--mbrola-dir "$mbrola_dir"};; esac
+  local e  # (synthesize.py has just rewritten train.jsonl: eSpeak's alone)
+  for e in "${engines[@]}"; do
+    case ${fraction[$e]} in 0|0.0|.0) continue;; esac
+    # shellcheck disable=SC2086  # pitch: LO HI, two words
+    python local/$e.py train --data "$data" --fraction "${fraction[$e]}" ${pitch[$e]:+--pitch ${pitch[$e]}} \
+      ${add[$e]:+--add} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"}
+  done
 }
-run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, Flite $flite and MBROLA $mbrola of train" \
+run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, of train Flite ${fraction[flite]}, MBROLA ${fraction[mbrola]}, Pico ${fraction[pico]}" \
   synthesize
 # the tokenizer the config asks for (kind and size, after the overrides), named after them, and
 # its mel bins (for the CMVN statistics)

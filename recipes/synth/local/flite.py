@@ -131,7 +131,7 @@ FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, lambda folder: fetch(fol
                lambda voice, factor: round(VOICE_F0[voice] * factor) if voice in VOICE_F0 else 0.0)
 
 
-ENGINES = ("flite", "mbrola")  # every engine's name; "-<name>" is its --add suffix
+ENGINES = ("flite", "mbrola", "pico")  # every engine's name; "-<name>" is its --add suffix
 
 
 def other_engine(line: dict, engine: Engine) -> bool:

@@ -10,14 +10,14 @@ concatenated recorded diphones as well as eSpeak's formants and Flite's voices.
 `train` is local/flite.py's with this engine: the same choice of lines (a seed stream of its own),
 voice decks, speeds, edges and noise, ids "<id>-mbrola" with --add, speakers "mbrola+<voice>",
 FLACs in DATA/wav/train_mbrola, DATA/corpus.json's "mbrola"; it plans among the corpus's own lines
-and leaves Flite's as they are (run Flite first: the order is part of the recipe). A speed
+and leaves the other engines' as they are (with --add, the engines may run in any order). A speed
 (duration stretch s) is eSpeak's rate 170/s words per minute; --pitch's factor f is eSpeak's pitch
 50 + 75 log2(f) (measured on the male voices: 25, 50 and 75 give a mean F0 of 0.79, 1 and 1.25
-times the voice's own). Festival's ked, the unseen
-synthesizer of dev_synth, is neither engine nor voice here: MBROLA is a separate program (Mons),
-and its voices are other speakers' diphone databases. MBROLA comes from tools/mbrola.sh (fetched
-into --mbrola-dir, default $ASR_MBROLA_DIR or ~/.cache/asr-mbrola, when missing); its voices are
-for non-commercial, non-military use only.
+times the voice's own). Festival's ked, the unseen synthesizer of dev_synth, is neither engine nor
+voice here: MBROLA is a separate program (Mons), and its voices are other speakers' diphone
+databases. MBROLA comes from tools/mbrola.sh (fetched into --mbrola-dir, default $ASR_MBROLA_DIR or
+~/.cache/asr-mbrola, when missing); its voices' licence forbids selling them, or a product with
+them, without their owner's permission (tools/mbrola.sh).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""Training speech from a third synthesizer (recipes/synth/local/mbrola.py, on local/flite.py's
-machinery): MBROLA's lines beside eSpeak's and Flite's, each engine choosing among the corpus's own
-lines, eSpeak's speed and pitch settings, the learning check's --mbrola, and the real MBROLA when it
-can be fetched."""
+"""Training speech from a third and a fourth synthesizer (recipes/synth/local/mbrola.py and
+pico.py, on local/flite.py's machinery): MBROLA's lines beside eSpeak's and Flite's, each engine
+choosing among the corpus's own lines, eSpeak's and Pico's speed and pitch settings, the learning
+check's --mbrola, and the real MBROLA and Pico when they can be fetched."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import flite  # noqa: E402
 import learning_check  # noqa: E402
 import mbrola  # noqa: E402
-from test_synth_flite import corpus, fake_flite, fake_tool  # noqa: E402
+import pico  # noqa: E402
+from test_synth_flite import check_args, corpus, fake_flite, fake_tool  # noqa: E402
 
 # a fake tools/mbrola.sh: `run DIR -v mb-V -s WPM [-p P] -w OUT -- TEXT` writes a tone of 0.1 s per
 # character (at 22,050 Hz for en1, to be resampled; else 16 kHz) and logs the call (voice, wpm,
@@ -40,6 +40,15 @@ sf.write(args[-3], (6000 * np.sin(2 * np.pi * 200 * t)).astype(np.int16), rate)
 
 def fake_mbrola(tmp_path: Path, monkeypatch) -> Path:
     return fake_tool(tmp_path, monkeypatch, mbrola, "mbrola", FAKE)
+
+
+def median_f0(y: np.ndarray) -> float:
+    """Median pitch (Hz) of int16-scaled 16 kHz speech (torchaudio's detector)."""
+    import torch
+    import torchaudio
+    pitch = torchaudio.functional.detect_pitch_frequency(torch.from_numpy(y / 32768.0).float(), 16000,
+                                                         freq_low=60, freq_high=500)
+    return float(pitch.median())
 
 
 def train(data: Path, *extra: str) -> int:
@@ -116,48 +125,76 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
         else:
             assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
-    args = argparse.Namespace(data=str(data), flite=0.4, flite_pitch=None, flite_add=True, mbrola=0.6,
-                              mbrola_pitch=[0.8, 1.2], mbrola_add=True, jobs=1)
+    args = check_args(data, flite=0.4, flite_add=True, mbrola=0.6, mbrola_pitch=[0.8, 1.2], mbrola_add=True)
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert ran == ["flite.py", "mbrola.py"]
     speakers = [u["speaker"].split("+")[0] for u in lines_of(out)]
     assert speakers.count("flite") == 4 and speakers.count("mbrola") == 6 and len(speakers) == 20
     assert not (data / "wav" / "train_mbrola").exists()  # the given folder as it was
-    only = argparse.Namespace(data=str(data), flite=0.0, flite_pitch=None, flite_add=False, mbrola=0.5,
-                              mbrola_pitch=None, mbrola_add=False, jobs=1)
+    only = check_args(data, mbrola=0.5)
     other = tmp_path / "only" / "data"
     assert learning_check.make_data(only, other, tmp_path / "log") == other  # --mbrola alone: a copy too
 
 
+def test_added_copies_follow_their_line_in_engine_order_whichever_engine_ran_last():
+    rows = [{"id": "a"}, {"id": "a-pico"}, {"id": "a-flite"}, {"id": "b"}, {"id": "a-mbrola"}, {"id": "c"},
+            {"id": "b-mbrola"}, {"id": "b-flite"}]
+    assert [r["id"] for r in flite.in_engine_order(rows)] == [
+        "a", "a-flite", "a-mbrola", "a-pico", "b", "b-flite", "b-mbrola", "c"]
+
+
+def test_pico_speed_and_pitch_are_its_markup_levels(tmp_path, monkeypatch):
+    said = []
+
+    class FakeVoice:  # the library's engine: 0.1 s of tone per character of the markup's text
+        def __init__(self, folder, voice):
+            self.voice = voice
+
+        def say(self, markup):
+            said.append((self.voice, markup))
+            return np.full(int(1600 * len(markup)), 1000, np.int16)
+    monkeypatch.setattr(pico, "_Voice", FakeVoice)
+    monkeypatch.setattr(pico, "_voices", {})
+    data = corpus(tmp_path, 8)
+    before = lines_of(data)
+    args = ["train", "--data", str(data), "--pico-dir", "DIR", "--fraction", "1", "--pitch", "0.8", "1.25", "--add"]
+    monkeypatch.setattr(pico, "PICO_SH", tmp_path / "nothing.sh")
+    (tmp_path / "nothing.sh").write_text("exit 0\n")
+    assert flite.main(args, engine=pico.PICO, doc=pico.__doc__, folder=("--pico-dir", pico.default_dir(), "Pico")) == 0
+    planned = {u.text: u for u in flite.plan(before, 1.0, seed=3, pitch=(0.8, 1.25), suffix="-pico", engine=pico.PICO)}
+    assert len(said) == 8 and {v for v, _ in said} == set(pico.VOICES)
+    for voice, markup in said:
+        text = markup.split(">")[2].split("<")[0]
+        u = planned[text.rstrip(".").upper()]
+        assert markup == (f'<pitch level="{u.f0}"><speed level="{round(100 / u.stretch)}">{text}</speed></pitch>')
+        assert voice == u.voice and 80 <= u.f0 <= 125
+    assert sum(u["speaker"].startswith("pico+") for u in lines_of(data)) == 8
+
+
 @pytest.mark.slow
-def test_mbrola_voices_speak_a_line_into_a_16khz_flac(tmp_path):
-    """MBROLA fetched (tools/mbrola.sh: Debian's espeak-ng, mbrola and its voices unpacked into the
-    user's cache, a network download: slow-marked for that); each voice speaks a line, slower with a
-    larger stretch, higher with a larger pitch factor."""
+@pytest.mark.parametrize("module", [mbrola, pico], ids=["mbrola", "pico"])
+def test_engine_voices_speak_a_line_slower_and_higher_when_asked(module, tmp_path):
+    """The engine fetched (tools/mbrola.sh: Debian's espeak-ng, mbrola and its voices; tools/pico.sh:
+    two Debian packages; into the user's cache, a network download: slow-marked for that); each
+    voice speaks a line into a 16 kHz FLAC, slower with a larger stretch, higher with a larger
+    pitch factor."""
+    engine = module.MBROLA if module is mbrola else module.PICO
     try:
-        folder = mbrola.fetch(mbrola.default_dir())
+        folder = module.fetch(module.default_dir())
     except flite.FliteError as e:
-        pytest.skip(f"MBROLA cannot be fetched here: {e}")
-    import torch
-    import torchaudio
-
-    def f0(y: np.ndarray) -> float:
-        pitch = torchaudio.functional.detect_pitch_frequency(torch.from_numpy(y / 32768.0).float(), 16000,
-                                                             freq_low=60, freq_high=400)
-        return float(pitch.median())
-
+        pytest.skip(f"{engine.label} cannot be fetched here: {e}")
     line = "A MAN WHO WAS WALKING ALONG THE ROAD SAW MANY ANIMALS THERE"
-    for voice in mbrola.VOICES:
+    for voice in engine.voices:
         out = tmp_path / f"{voice}.flac"
-        assert flite.main(["say", line, str(out), "--voice", voice, "--mbrola-dir", str(folder)],
-                                               engine=mbrola.MBROLA, doc=mbrola.__doc__,
-                                               folder=("--mbrola-dir", folder, "MBROLA")) == 0
+        option = f"--{engine.name}-dir"
+        assert flite.main(["say", line, str(out), "--voice", voice, option, str(folder)], engine=engine,
+                          doc=module.__doc__, folder=(option, folder, engine.label)) == 0
         info = sf.info(str(out))
         assert (info.samplerate, info.channels, info.format, info.subtype) == (16000, 1, "FLAC", "PCM_16")
         samples = sf.read(str(out), dtype="int16")[0]
         assert 1.5 < len(samples) / 16000 < 8.0 and np.abs(samples).max() > 3000  # speech, not silence
-        assert len(mbrola.speak(line, voice, 1.25, folder)) > 1.1 * len(samples)
-        if voice != "us1":  # the male voices (the female one's pitch tracker errs by octaves)
-            low, high = (f0(mbrola.speak(line, voice, 1.0, folder, mbrola.espeak_pitch(f))) for f in (0.8, 1.25))
-            assert 1.3 < high / low < 1.9  # 1.56 asked
+        assert len(module.speak(line, voice, 1.25, folder)) > 1.1 * len(samples)
+        if voice != "us1":  # (MBROLA's female voice: the pitch tracker errs by octaves on it)
+            low, high = (median_f0(module.speak(line, voice, 1.0, folder, engine.pitch(voice, f))) for f in (0.8, 1.25))
+            assert 1.3 < high / low < 1.9, voice  # 1.56 asked
