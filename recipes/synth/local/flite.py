@@ -127,7 +127,7 @@ class Engine:
     pitch: Callable[[str, float], float]  # (voice, drawn factor) -> Utt.f0 (0: the voice's own)
 
 
-FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, lambda folder: fetch(folder), lambda *a: speak(*a),
+FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, fetch, speak,
                lambda voice, factor: round(VOICE_F0[voice] * factor) if voice in VOICE_F0 else 0.0)
 
 

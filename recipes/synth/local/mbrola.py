@@ -73,8 +73,8 @@ def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.
     return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
 
 
-MBROLA = Engine("mbrola", "MBROLA", VOICES, "train_mbrola", "-mbrola", lambda folder: fetch(folder),
-                lambda *a: speak(*a), lambda voice, factor: espeak_pitch(factor))
+MBROLA = Engine("mbrola", "MBROLA", VOICES, "train_mbrola", "-mbrola", fetch, speak,
+                lambda voice, factor: espeak_pitch(factor))
 
 
 if __name__ == "__main__":

@@ -111,8 +111,8 @@ def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.
 
 
 assert SAMPLE_RATE == 16000  # Pico speaks at 16 kHz: no resampling
-PICO = Engine("pico", "SVOX Pico", VOICES, "train_pico", "-pico", lambda folder: fetch(folder),
-              lambda *a: speak(*a), lambda voice, factor: round(100 * factor))
+PICO = Engine("pico", "SVOX Pico", VOICES, "train_pico", "-pico", fetch, speak,
+              lambda voice, factor: round(100 * factor))
 
 
 if __name__ == "__main__":
