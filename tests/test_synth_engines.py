@@ -138,10 +138,12 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
 
 
 def test_added_copies_follow_their_line_in_engine_order_whichever_engine_ran_last():
-    rows = [{"id": "a"}, {"id": "a-pico"}, {"id": "a-flite"}, {"id": "b"}, {"id": "a-mbrola"}, {"id": "c"},
-            {"id": "b-mbrola"}, {"id": "b-flite"}]
+    ids = ["a", "a-pico", "a-flite", "b", "a-mbrola", "c-flite", "b-mbrola", "b-flite", "c"]
+    rows = [{"id": i, "speaker": f"{i.split('-')[1]}+v" if "-" in i else "en-us+m1"} for i in ids]
+    rows[5]["speaker"] = "en-us+m1"  # the corpus's own id "c-flite": no copy
     assert [r["id"] for r in flite.in_engine_order(rows)] == [
-        "a", "a-flite", "a-mbrola", "a-pico", "b", "b-flite", "b-mbrola", "c"]
+        "a", "a-flite", "a-mbrola", "a-pico", "b", "b-flite", "b-mbrola", "c-flite", "c"]
+    assert [flite.added_by(r) for r in rows] == ["", "pico", "flite", "", "mbrola", "", "mbrola", "flite", ""]
 
 
 def test_pico_speed_and_pitch_are_its_markup_levels(tmp_path, monkeypatch):

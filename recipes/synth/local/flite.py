@@ -134,21 +134,29 @@ FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, fetch, speak,
 ENGINES = ("flite", "mbrola", "pico")  # every engine's name; "-<name>" is its --add suffix
 
 
+def spoken_by(line: dict) -> str:
+    """The engine that spoke this train.jsonl line (its speaker "<name>+<voice>"), else ""."""
+    name = str(line.get("speaker", "")).split("+", 1)[0]
+    return name if name in ENGINES and "+" in str(line.get("speaker", "")) else ""
+
+
 def other_engine(line: dict, engine: Engine) -> bool:
-    """Did another engine than `engine` speak this train.jsonl line (its speaker or its id says so)?"""
-    speaker = str(line.get("speaker", ""))
-    return any(speaker.startswith(f"{name}+") or line["id"].endswith(f"-{name}")
-               for name in ENGINES if name != engine.name)
+    """Did another engine than `engine` speak this train.jsonl line?"""
+    return spoken_by(line) not in ("", engine.name)
+
+
+def added_by(line: dict) -> str:
+    """The engine whose --add made this line (its speaker and its id "<id>-<name>" say so), else ""."""
+    name = spoken_by(line)
+    return name if name and line["id"].endswith(f"-{name}") else ""
 
 
 def in_engine_order(rows: list[dict]) -> list[dict]:
     """Manifest lines with each line's added copies right after it in ENGINES' order, whichever
     engine ran last (the manifest is the same after any order of re-runs)."""
     def base_and_rank(row: dict) -> tuple[str, int]:
-        for rank, name in enumerate(ENGINES, 1):
-            if row["id"].endswith(f"-{name}"):
-                return row["id"].removesuffix(f"-{name}"), rank
-        return row["id"], 0
+        name = added_by(row)
+        return (row["id"].removesuffix(f"-{name}"), ENGINES.index(name) + 1) if name else (row["id"], 0)
     first: dict[str, int] = {}
     for row in rows:
         first.setdefault(base_and_rank(row)[0], len(first))
@@ -239,7 +247,7 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
             lines.append(json.loads(line))
         except ValueError as e:
             raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
-    lines = [x for x in lines if not x["id"].endswith(engine.suffix)]  # an earlier --add's: made again from the plan
+    lines = [x for x in lines if added_by(x) != engine.name]  # an earlier --add's: made again from the plan
     card_path = data / "corpus.json"
     card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     if seed is None:
