@@ -11,7 +11,7 @@ decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
 "flite+<voice>"); the text and id stay. It chooses among the corpus's own lines: those another
-engine spoke (local/mbrola.py, which runs this module's machinery with MBROLA) stay as they are.
+engine spoke (local/mbrola.py and local/pico.py run this module's machinery) stay as they are.
 With --add, the eSpeak lines stay too and each chosen one is followed by its Flite line, id
 "<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
 (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is
@@ -76,7 +76,7 @@ def default_dir() -> Path:
 
 
 def fetch_by(script: Path, folder: Path) -> Path:
-    """A folder that `script fetch` filled (tools/flite.sh, tools/mbrola.sh), or a FliteError saying why not."""
+    """A folder that `script fetch` filled (tools/flite.sh, mbrola.sh, pico.sh), or a FliteError saying why not."""
     try:
         done = subprocess.run(["bash", str(script), "fetch", str(folder)], capture_output=True, text=True,
                               timeout=600)
@@ -115,7 +115,8 @@ def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) 
 
 @dataclass(frozen=True)
 class Engine:
-    """A synthesizer that speaks training lines again: Flite here, MBROLA in local/mbrola.py."""
+    """A synthesizer that speaks training lines again: Flite here, MBROLA and Pico in local/mbrola.py
+    and local/pico.py."""
 
     name: str  # in the plan's seed, the FLAC keys, corpus.json and the speakers ("<name>+<voice>")
     label: str  # the synthesizer's name in messages
@@ -174,7 +175,7 @@ class Utt:
     lead: float  # seconds of silence before the speech
     tail: float  # and after
     snr_db: float  # noise floor, as synthesize.Utt's
-    f0: float = 0.0  # the engine's pitch (--pitch): Flite's mean F0 (Hz), MBROLA's eSpeak 0-100; 0: own
+    f0: float = 0.0  # the engine's pitch (--pitch): Flite's F0 (Hz), eSpeak's 0-100 (MBROLA), Pico's %; 0: own
     engine: Engine = FLITE
 
     @property
@@ -257,7 +258,7 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
     todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
     if todo:
         engine.fetch(folder)
-    with ThreadPoolExecutor(max(1, jobs)) as pool:  # each call is its own process
+    with ThreadPoolExecutor(max(1, jobs)) as pool:  # Flite, MBROLA: a process per call (Pico: one at a time)
         frames = dict(zip((u.id for u in utts), pool.map(lambda u: _render(data, folder, u), utts)))
     by_id = {u.id.removesuffix(engine.suffix) if add else u.id: u for u in utts}
     rows = []
@@ -273,7 +274,7 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
         f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in in_engine_order(rows))
     if card:
         card[engine.name] = {"fraction": fraction, "voices": list(engine.voices), "utterances": len(utts),
-                         **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {})}
+                             **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {})}
         with atomic_open(card_path) as f:
             f.write(json.dumps(card, indent=1) + "\n")
     print(f"{engine.name}: {len(utts)} of {len(own)} training utterances spoken by {engine.label} "

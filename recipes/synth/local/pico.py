@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 from flite import Engine, FliteError, fetch_by  # this script's folder
 from flite import main as engine_main
-from synthesize import SAMPLE_RATE, engine_text
+from synthesize import SAMPLE_RATE, Resampler, engine_text
 
 VOICES = ("en-US", "en-GB")
 PICO_SH = Path(__file__).resolve().parents[3] / "tools" / "pico.sh"
 SPEAKER = {"en-US": "lh0", "en-GB": "kh0"}  # each voice's speaker resource
 _MEMORY = 4_000_000  # bytes Pico works in, per voice (one voice's two resources need ~2.5 MB)
 _BUSY = 201  # PICO_STEP_BUSY: more data to come
+PICO_RATE = 16000  # the rate Pico speaks at
 
 
 def default_dir() -> Path:
@@ -70,7 +71,7 @@ class _Voice:
             raise FliteError(f"pico: {what}: status {status}")
 
     def say(self, text: str) -> np.ndarray:
-        """(T,) int16 at 16 kHz for `text` (Pico's markup allowed)."""
+        """(T,) int16 at PICO_RATE for `text` (Pico's markup allowed)."""
         data = text.encode() + b"\0"
         put, received, kind = ctypes.c_int16(), ctypes.c_int16(), ctypes.c_int16()
         buffer = ctypes.create_string_buffer(1024)
@@ -95,7 +96,7 @@ _lock = threading.Lock()  # one call at a time: an engine is not to be shared ac
 
 def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.0) -> np.ndarray:
     """`text` (a manifest text) spoken by Pico's `voice` at pitch level `pitch` percent (0: the
-    voice's own): (T,) float32 at SAMPLE_RATE (Pico's own) in int16 units."""
+    voice's own): (T,) float32 at SAMPLE_RATE in int16 units."""
     plain = "".join(c for c in engine_text(text) if c not in "<>&")
     markup = f'<speed level="{round(100 / stretch)}">{plain}</speed>'
     if pitch:
@@ -107,10 +108,10 @@ def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.
         y = _voices[key].say(markup)
     if not y.size:
         raise FliteError(f"pico ({voice}) gave no audio for {text!r}")
-    return y.astype(np.float32)
+    y = y.astype(np.float32)
+    return y if SAMPLE_RATE == PICO_RATE else Resampler(PICO_RATE, SAMPLE_RATE)(y)
 
 
-assert SAMPLE_RATE == 16000  # Pico speaks at 16 kHz: no resampling
 PICO = Engine("pico", "SVOX Pico", VOICES, "train_pico", "-pico", fetch, speak,
               lambda voice, factor: round(100 * factor))
 
