@@ -65,6 +65,6 @@ cmd=${1:-}; [ $# -gt 0 ] && shift
 case $cmd in
   fetch) fetch "$(realpath -m "${1:-${ASR_MBROLA_DIR:-$HOME/.cache/asr-mbrola}}")";;
   run) [ $# -ge 1 ] || die "usage: mbrola.sh run DIR ARGS..."; run "$@";;
-  -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//';;
+  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0";;
   *) die "usage: mbrola.sh fetch [DIR] | run DIR ARGS...";;
 esac

@@ -35,6 +35,6 @@ fetch() {
 cmd=${1:-}; [ $# -gt 0 ] && shift
 case $cmd in
   fetch) fetch "$(realpath -m "${1:-${ASR_PICO_DIR:-$HOME/.cache/asr-pico}}")";;
-  -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//';;
+  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0";;
   *) die "usage: pico.sh fetch [DIR]";;
 esac

@@ -93,24 +93,30 @@ def fetch(folder: Path) -> Path:
     return fetch_by(FLITE_SH, folder)
 
 
+def spoken_wav(command: Callable[[Path], list[str]], who: str, text: str) -> np.ndarray:
+    """Run `command(wav)` (a synthesizer writing a WAV file there) and read what it wrote: (T,)
+    float32 at SAMPLE_RATE in int16 units, or a FliteError naming `who` and the text."""
+    with tempfile.TemporaryDirectory(prefix="asr-synth-") as tmp:
+        wav = Path(tmp) / "out.wav"
+        try:
+            done = subprocess.run(command(wav), capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise FliteError(f"{who}: {e}") from None
+        if done.returncode or not wav.is_file() or wav.stat().st_size <= 44:  # 44: a WAV header alone
+            tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            raise FliteError(f"{who} wrote nothing for {text!r}: {tail}")
+        samples, rate = sf.read(str(wav), dtype="int16")
+    y = samples.astype(np.float32)
+    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+
+
 def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) -> np.ndarray:
     """`text` (a manifest text) spoken by `voice` (at mean F0 `f0` Hz, 0: the voice's own): (T,)
     float32 at SAMPLE_RATE in int16 units."""
     pitch = ["--setf", f"int_f0_target_mean={f0:g}"] if f0 else []
-    with tempfile.TemporaryDirectory(prefix="asr-flite-") as tmp:
-        wav = Path(tmp) / "out.wav"
-        try:
-            done = subprocess.run(["bash", str(FLITE_SH), "run", str(folder), "-voice", voice,
+    return spoken_wav(lambda wav: ["bash", str(FLITE_SH), "run", str(folder), "-voice", voice,
                                    "--setf", f"duration_stretch={stretch}", *pitch, "-t", festival_text(text),
-                                   "-o", str(wav)], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise FliteError(f"flite: {e}") from None
-        if done.returncode or not wav.is_file():
-            tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-            raise FliteError(f"flite ({voice}) wrote nothing for {text!r}: {tail}")
-        samples, rate = sf.read(str(wav), dtype="int16")
-    y = samples.astype(np.float32)
-    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+                                   "-o", str(wav)], f"flite ({voice})", text)
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
-from flite import Engine, FliteError, fetch_by  # this script's folder
+from flite import Engine, fetch_by, spoken_wav  # this script's folder
 from flite import main as engine_main
-from synthesize import SAMPLE_RATE, Resampler, engine_text
+from synthesize import engine_text
 
 VOICES = ("us1", "us2", "us3", "en1")
 MBROLA_SH = Path(__file__).resolve().parents[3] / "tools" / "mbrola.sh"
@@ -57,20 +54,8 @@ def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.
     """`text` (a manifest text) spoken by MBROLA's `voice` at eSpeak's pitch `pitch` (0: the
     voice's own): (T,) float32 at SAMPLE_RATE in int16 units."""
     settings = ["-s", str(round(WPM_AT_STRETCH_1 / stretch)), *(["-p", str(round(pitch))] if pitch else [])]
-    with tempfile.TemporaryDirectory(prefix="asr-mbrola-") as tmp:
-        wav = Path(tmp) / "out.wav"
-        try:
-            done = subprocess.run(["bash", str(MBROLA_SH), "run", str(folder), "-v", f"mb-{voice}", *settings,
-                                   "-w", str(wav), "--", engine_text(text)], capture_output=True, text=True,
-                                  timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise FliteError(f"mbrola: {e}") from None
-        if done.returncode or not wav.is_file() or wav.stat().st_size <= 44:
-            tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-            raise FliteError(f"mbrola ({voice}) wrote nothing for {text!r}: {tail}")
-        samples, rate = sf.read(str(wav), dtype="int16")
-    y = samples.astype(np.float32)
-    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+    return spoken_wav(lambda wav: ["bash", str(MBROLA_SH), "run", str(folder), "-v", f"mb-{voice}", *settings,
+                                   "-w", str(wav), "--", engine_text(text)], f"mbrola ({voice})", text)
 
 
 MBROLA = Engine("mbrola", "MBROLA", VOICES, "train_mbrola", "-mbrola", fetch, speak,
