@@ -123,15 +123,23 @@ def sigterm_stops(ctx: Context, hint: Callable[[], str]) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        who = f"rank {ctx.rank}: " if ctx.distributed else ""
-        why = " (torchrun stops every rank when one fails: see the first error above)" if ctx.distributed else ""
-        raise TrainingError(f"{who}stopped by SIGTERM{why}; {hint()}")
+        raise _SigTerm
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
+    except _SigTerm:
+        who = f"rank {ctx.rank}: " if ctx.distributed else ""
+        why = " (torchrun stops every rank when one fails: see the first error above)" if ctx.distributed else ""
+        raise TrainingError(f"{who}stopped by SIGTERM{why}; {hint()}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class _SigTerm(BaseException):
+    """What the SIGTERM handler raises: not an Exception (as KeyboardInterrupt is not), so code on
+    its way out that skips a bad utterance or retries (`except Exception`) cannot take it for an
+    ordinary error; `sigterm_stops` turns it into a TrainingError at its edge."""
 
 
 @contextlib.contextmanager

@@ -553,6 +553,27 @@ def test_a_collective_that_lost_a_rank_is_one_line():
             raise RuntimeError("Connection closed by peer")
 
 
+def test_sigterm_is_not_taken_for_an_ordinary_error_on_its_way_out():
+    """A SIGTERM that lands inside code skipping bad utterances (`except Exception`, as audio
+    loading does) still stops the run with its one line."""
+    from asr.checkpoint import TrainingError
+    from asr.distributed import Context, sigterm_stops
+
+    before = signal.getsignal(signal.SIGTERM)
+    one = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    swallowed = []
+    with pytest.raises(TrainingError, match=r"^stopped by SIGTERM; resume here$"):
+        with sigterm_stops(one, lambda: "resume here"):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):
+                    time.sleep(0.001)
+            except Exception as e:  # a per-utterance handler
+                swallowed.append(e)
+    assert swallowed == []
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_training_with_the_device_frontend_equals_the_cpu_frontend(tmp_path):
     """data.frontend=device (workers load waveforms, the training step computes fbank and CMVN)
     trains the same weights as the CPU frontend without dither and SpecAugment."""
