@@ -90,6 +90,34 @@ def test_choose_takes_the_grid_point_of_the_lowest_dev_wer(decoded, tmp_path, ca
     assert hyps(tmp_path / "then") == hyps(folder / "lm")
 
 
+def test_an_open_vocabulary_beam_is_rescored_as_decoding_it_with_the_lm(decoded, tmp_path):
+    """No lexicon: `choose` on the open beam (at a beam other than --config's) writes a config of that
+    beam's size and its grid where --grid says, and its hypotheses are `asr decode`'s with that
+    config and the LM."""
+    folder = decoded["folder"]
+    open_search = {**SEARCH, "beam_size": 4}
+    decode_manifest(folder / "model.pt", decoded["manifest"], tmp_path / "open",
+                    DecodingConfig(**open_search, nbest=4))
+    # an LM that knows each utterance's last hypothesis (the random model's words are no lexicon's)
+    records = [json.loads(line) for line in (tmp_path / "open" / "decode.jsonl").read_text().splitlines()[1:]]
+    lm = tmp_path / "lm.arpa"
+    train_ngram([r["nbest"][-1]["text"].split() for r in records] * 5).save(lm)
+    out, grid = tmp_path / "decode_open_lm.yaml", tmp_path / "tune_open_lm.json"
+    assert tune.main(["choose", "--beam", str(tmp_path / "open"), "--manifest", str(decoded["manifest"]),
+                      "--lm", str(lm), "--config", str(decoded["config"]), "--out", str(out),
+                      "--grid", str(grid), "--weights", "10", "--bonuses", "1",
+                      "--then", str(tmp_path / "open"), str(decoded["manifest"]), str(tmp_path / "open_lm")]) == 0
+    chosen = yaml.safe_load(out.read_text())
+    assert (chosen["beam_size"], chosen["lm_weight"]) == (4, 10.0) and "lexicon" not in chosen
+    assert json.loads(grid.read_text())["beam"] == str(tmp_path / "open") and not (tmp_path / "tune.json").exists()
+    with_lm = DecodingConfig(**{**open_search, "lm_weight": chosen["lm_weight"],
+                                "lm_word_bonus": chosen["lm_word_bonus"]}, lm=str(lm))
+    decode_manifest(folder / "model.pt", decoded["manifest"], tmp_path / "decoded_lm", with_lm)
+    rescored = hyps(tmp_path / "open_lm")
+    assert rescored == hyps(tmp_path / "decoded_lm") and all(rescored.values())
+    assert rescored != hyps(tmp_path / "open")  # the LM changed something: the comparison is not vacuous
+
+
 def test_a_beam_decoded_without_the_whole_beam_or_with_an_lm_is_refused(decoded, capsys):
     folder = decoded["folder"]
     assert tune.main(["choose", "--beam", str(folder / "lm"), "--manifest", str(decoded["manifest"]), "--lm",
@@ -116,9 +144,10 @@ def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
     assert got["decodes"]["open"]["test"]["all"]["wer"] == 2 / 8
     assert got["decodes"]["open"]["test"]["en-gb-scotland"]["wer"] == 1 / 4  # test-0 (scotland), test-1 (nyc)
     assert got["decodes"]["lexicon"]["dev"]["en-029"]["wer"] == 1 / 4
-    assert got["decodes"]["lexicon+lm"]["dev"] is None
+    assert got["decodes"]["lexicon+lm"]["dev"] is None and got["decodes"]["open+lm"]["dev"] is None
     table = results.markdown(got)
     assert "| open vocabulary (no lexicon, no LM) | 25.00% /" in table and "not decoded" in table
+    assert "| open vocabulary, the beam rescored by the word LM (weights chosen on dev) | not decoded" in table
     # the three dev sets side by side, then test: dev_near decoded, dev_synth not made
     header = table.splitlines()[0]
     assert header.index("dev: unseen accents") < header.index("dev_near: unseen voices") < header.index(
@@ -132,3 +161,10 @@ def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
     got = results.collect(exp, data)
     assert got["sets"]["dev_synth"] == "skipped: festival.sh: cannot fetch Festival: no apt-get"
     assert "| skipped |" in results.markdown(got) and "dev_synth skipped: festival.sh" in results.markdown(got)
+    # the LM weights chosen on dev, for the open beam and the lexicon's, each named
+    for name, weight in (("tune_open_lm", 0.4), ("tune", 0.3)):
+        (exp / f"{name}.json").write_text(json.dumps({"chosen": {"lm_weight": weight, "lm_word_bonus": 1.5},
+                                                      "dev_wer": 0.2}))
+    table = results.markdown(results.collect(exp, data))
+    assert ("open vocabulary: LM weight 0.4 and word bonus 1.5 chosen on dev (20.00%); "
+            "with the lexicon: LM weight 0.3 and word bonus 1.5 chosen on dev (20.00%)") in table

@@ -23,10 +23,11 @@
 #     tools/pico.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
-#   4 average checkpoints          5 decode dev and test: open vocabulary, with the training words as
-#                                    the lexicon, and with the lexicon and the LM, whose weights
-#                                    local/tune.py chooses on dev (test decoded once); dev_near and
-#                                    dev_synth open vocabulary (--extra-dev-decodes all: all three)
+#   4 average checkpoints          5 decode dev and test: open vocabulary, alone and its beam rescored
+#                                    by the word LM, with the training words as the lexicon, and with
+#                                    the lexicon and the LM; local/tune.py chooses the LM's weights on
+#                                    dev (test decoded once); dev_near and dev_synth open vocabulary,
+#                                    alone and with the LM (--extra-dev-decodes all: the lexicon too)
 #   6 results table (each dev set and test, per accent), the accents' distances, a transcription
 # --streaming trains a streaming model (model.causal_conv and U2's dynamic chunk training:
 # model.dynamic_chunk) and stage 5 also decodes dev and test open vocabulary as it streams (the
@@ -175,11 +176,14 @@ run_stage 3 "train $(basename "$config")" train
 # 25.3% for the best 3 epochs (which include the first, far behind at a short schedule)
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 # Every choice on dev, the test set decoded once with them (conf/decode/synth.yaml's search):
-# dev_near and dev_synth (when stage 0 made them): open vocabulary (~5 s each for 200 lines), with
+# dev_near and dev_synth (when stage 0 made them): open vocabulary (~10 s each for 200 lines), with
 # --extra-dev-decodes all also the lexicon and the LM as dev is (~10 s more each)
-#   decode_{dev,test}_open     no lexicon and no LM: any text may be written (the headline figure), at
-#                              beam 10: without a lexicon or an LM to use a wider beam, 10 did as well
-#                              as 40 on dev, at a third of the time (recipes/README.md)
+#   decode_{dev,test}_open     no lexicon and no LM: any text may be written (the headline figure); the
+#                              whole beam kept for the LM (alone, beam 10 did as well as 40 on dev)
+#   decode_{dev,test}_open_lm  the open beam rescored by stage 1's word LM, its weight and word bonus
+#                              chosen on dev's open beam ($exp/decode_open_lm.yaml, the grid in
+#                              $exp/tune_open_lm.json): any text may still be written (a word the LM
+#                              does not know scores as its <unk>); every open set is rescored
 #   decode_{dev,test}_lexicon  the training words as a closed lexicon (asr.lexicon), the whole beam
 #                              kept (decoding.nbest = beam_size): a word never trained is an error
 #   local/tune.py choose       the LM weight and word bonus that rescore dev's beam best, into
@@ -190,11 +194,12 @@ decode() {
   local conf=$root/conf/decode/synth.yaml set beam
   [ -f "$data/lm.arpa" ] || word_lm  # an experiment whose stage 1 ran before stage 1 built the LM
   beam=$(python -c 'import sys; from asr.decoding import load_decoding_config as c; print(c(sys.argv[1]).beam_size)' "$conf")
-  local then=() sets=(dev test)
+  local then=() open_then=() sets=(dev test)
   for set in dev_near dev_synth; do [ -s "$data/$set.jsonl" ] && sets+=("$set"); done
   for set in "${sets[@]}"; do
     asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open" \
-      --config "$conf" --beam-size 10
+      --config "$conf" decoding.nbest="$beam"
+    open_then+=(--then "$exp/decode_${set}_open" "$data/$set.jsonl" "$exp/decode_${set}_open_lm")
     case $set in  # (an extra set's decodes of an earlier `all` run are removed, not reported stale)
       dev|test) ;; *) [ "$extra_decodes" = all ] || { rm -rf "$exp/decode_${set}_lexicon" "$exp/decode_$set"; continue; };;
     esac
@@ -212,8 +217,10 @@ decode() {
   fi
   python local/tune.py choose --beam "$exp/decode_dev_lexicon" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
     --config "$conf" --out "$exp/decode.yaml" "${then[@]}"
+  python local/tune.py choose --beam "$exp/decode_dev_open" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
+    --config "$conf" --out "$exp/decode_open_lm.yaml" --grid "$exp/tune_open_lm.json" "${open_then[@]}"
 }
-run_stage 5 "decode the dev sets and test (conf/decode/synth.yaml): open vocabulary, the lexicon, the lexicon and the LM (weights chosen on dev)" decode
+run_stage 5 "decode the dev sets and test (conf/decode/synth.yaml): open vocabulary, alone and with the LM, the lexicon, the lexicon and the LM (the LM's weights chosen on dev)" decode
 results() {
   python local/results.py --exp "$exp" --data "$data"
   python local/accents.py --manifests "$data/dev.jsonl,$data/test.jsonl" --json "$exp/accents.json"

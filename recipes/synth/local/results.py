@@ -1,4 +1,4 @@
-"""The synth recipe's results table (stage 6): the three dev sets beside test for each of the three
+"""The synth recipe's results table (stage 6): the three dev sets beside test for each of the four
 decodes, and each accent apart.
 
     python local/results.py --exp EXP --data DATA     # prints Markdown, writes EXP/results.json
@@ -6,9 +6,9 @@ decodes, and each accent apart.
 The dev sets speak the same held-out sentences and differ in the voice, so each measures one gap:
 dev, the unseen accents (pronunciation); dev_near, the training accents in voice variants training
 never used (acoustics, near); dev_synth, Festival's ked voice (a synthesizer never heard).
-Reads EXP/decode_<set>{_open,_lexicon,}/hyp.txt and ref.txt (stage 5), the manifests' speakers
-("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words), DATA/dev_synth.skipped (why
-there is no dev_synth) and EXP/tune.json (the LM weights chosen on dev). A set not made and a
+Reads EXP/decode_<set>{_open,_open_lm,_lexicon,}/hyp.txt and ref.txt (stage 5), the manifests'
+speakers ("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words), DATA/dev_synth.skipped
+(why there is no dev_synth) and EXP/tune_open_lm.json and tune.json (the LM weights chosen on dev). A set not made and a
 decode that is missing are named, not guessed.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from asr.manifest import read_manifest, read_transcripts
 from asr.metrics import score
 
 DECODES = (("open", "_open", "open vocabulary (no lexicon, no LM)"),
+           ("open+lm", "_open_lm", "open vocabulary, the beam rescored by the word LM (weights chosen on dev)"),
            ("lexicon", "_lexicon", "the training words as a closed lexicon"),
            ("lexicon+lm", "", "the lexicon and the word LM (weights chosen on dev)"))
 SETS = ("dev", "dev_near", "dev_synth", "test")
@@ -41,10 +42,10 @@ def rates(refs: dict[str, str], hyps: dict[str, str]) -> dict[str, Any]:
 
 
 def collect(exp: Path, data: Path) -> dict[str, Any]:
-    """{"corpus", "tune", "sets": {set: "made" | "not made" | "skipped: <why>"},
+    """{"corpus", "tune", "tune_open_lm", "sets": {set: "made" | "not made" | "skipped: <why>"},
     "decodes": {decode: {set: {"all": rates, "<accent>": rates} | None}}}."""
     out: dict[str, Any] = {"decodes": {}, "sets": {}}
-    for name in ("corpus", "tune"):
+    for name in ("corpus", "tune", "tune_open_lm"):
         path = (data if name == "corpus" else exp) / f"{name}.json"
         out[name] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
     speakers: dict[str, dict[str, str]] = {}
@@ -92,7 +93,7 @@ def markdown(results: dict[str, Any]) -> str:
     notes = [f"{s} {why}" for s, why in made.items() if why.startswith("skipped")]
     if any(results["decodes"]["open"].get(s) and not results["decodes"]["lexicon"].get(s) for s in EXTRA):
         notes.append("-: decoded open vocabulary only (run.sh --extra-dev-decodes all: the lexicon and the LM too)")
-    corpus, tune = results["corpus"], results["tune"]
+    corpus = results["corpus"]
     if corpus:
         notes.append(f"corpus seed {corpus['seed']}")
         near = corpus["splits"].get("dev_near")
@@ -108,9 +109,11 @@ def markdown(results: dict[str, Any]) -> str:
                              f"({100 * split['unseen_distinct_words'] / split['distinct_words']:.1f}%), "
                              f"{100 * split['unseen_words'] / split['words']:.1f}% of running words, "
                              "never in training or LM text")
-    if tune:
-        notes.append(f"LM weight {tune['chosen']['lm_weight']} and word bonus {tune['chosen']['lm_word_bonus']} "
-                     f"chosen on dev ({100 * tune['dev_wer']:.2f}%)")
+    for key, what in (("tune_open_lm", "open vocabulary"), ("tune", "with the lexicon")):
+        tune = results.get(key)
+        if tune:
+            notes.append(f"{what}: LM weight {tune['chosen']['lm_weight']} and word bonus "
+                         f"{tune['chosen']['lm_word_bonus']} chosen on dev ({100 * tune['dev_wer']:.2f}%)")
     return "\n".join(lines) + ("\n\n" + "; ".join(notes) if notes else "")
 
 

@@ -3,28 +3,29 @@
 every run).
 
     python local/tune.py choose --beam EXP/decode_dev_lexicon --manifest DATA/dev.jsonl --lm DATA/lm.arpa \\
-        --config conf/decode/synth.yaml --out EXP/decode.yaml [--weights 0,0.1,...] [--bonuses 0,0.5,...] \\
-        [--then BEAM MANIFEST OUT_DIR ...]
+        --config conf/decode/synth.yaml --out EXP/decode.yaml [--grid EXP/tune.json] [--weights 0,0.1,...] \\
+        [--bonuses 0,0.5,...] [--then BEAM MANIFEST OUT_DIR ...]
     python local/tune.py rescore --beam EXP/decode_test_lexicon --manifest DATA/test.jsonl --lm DATA/lm.arpa \\
         --config EXP/decode.yaml --out-dir EXP/decode_test
     python local/tune.py search --model EXP/model_avg.pt --manifest DATA/dev.jsonl --lexicon DATA/words.txt \\
         --config conf/decode/synth.yaml --out-dir EXP/tune_search [--ctc-weights 0.1,0.2] [--length-bonuses 0.5,1]
 
-Both read the journal (decode.jsonl) of an `asr decode` run with the lexicon and
-decoding.nbest = beam_size: the whole beam of each utterance, with the search's scores. That is
+Both read the journal (decode.jsonl) of an `asr decode` run with decoding.nbest = beam_size, with
+the lexicon or without it (open vocabulary: a word the LM does not know scores as its <unk>): the
+whole beam of each utterance, with the search's scores. That is
 the list `asr decode` with decoding.lm rescores (asr.decoding.DecodingTask keeps the whole beam
 when an LM rescores it), so rescoring it here gives the same hypotheses as decoding again with the
 LM, without searching again.
 
 `choose` rescores dev's beam with every lm_weight x lm_word_bonus of the grid, picks the lowest
 dev WER (ties: the smaller weight, then the smaller bonus), and writes the decoding config with
-those two values to --out (the other values are --config's), and the whole grid to tune.json
-beside it; each --then rescores another beam with the chosen values, as `rescore` does, in the
-same process (the LM is read once). `rescore` applies a config's lm_weight and lm_word_bonus to a
-beam and writes hyp.txt, ref.txt, wer.json and errors.txt as `asr decode` does: the test set is
-rescored once, with the values chosen on dev. `search` decodes dev with the lexicon at every
-ctc_weight x length_bonus of its grid (the rest from --config) and prints the WERs, lowest first
-(search.json in --out-dir).
+those two values and the beam's size to --out (the other values are --config's), and the whole
+grid to --grid (tune.json beside --out); each --then rescores another beam with the chosen values,
+as `rescore` does, in the same process (the LM is read once). `rescore` applies a config's
+lm_weight and lm_word_bonus to a beam and writes hyp.txt, ref.txt, wer.json and errors.txt as
+`asr decode` does: the test set is rescored once, with the values chosen on dev. `search` decodes
+dev with the lexicon at every ctc_weight x length_bonus of its grid (the rest from --config) and
+prints the WERs, lowest first (search.json in --out-dir).
 """
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ class TuneError(RuntimeError):
     """A one-line reason naming the file at fault."""
 
 
-def read_beam(folder: Path, ids: Sequence[str]) -> tuple[Beam, str]:
-    """The n-best lists of an `asr decode` journal (folder/decode.jsonl) for `ids`, and the lexicon
-    it was decoded with; an utterance decoded to nothing (skipped, or too short) is one empty
-    hypothesis."""
+def read_beam(folder: Path, ids: Sequence[str]) -> tuple[Beam, dict]:
+    """The n-best lists of an `asr decode` journal (folder/decode.jsonl) for `ids`, and the search it
+    was decoded with (its "lexicon", "" for none, and "beam_size"); an utterance decoded to nothing
+    (skipped, or too short) is one empty hypothesis."""
     path = folder / JOURNAL
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -81,7 +82,7 @@ def read_beam(folder: Path, ids: Sequence[str]) -> tuple[Beam, str]:
     missing = [i for i in ids if i not in beam]
     if missing:
         raise TuneError(f"{path}: {len(missing)} utterances of the manifest not decoded (first: {missing[0]})")
-    return {i: beam[i] for i in ids}, search.get("lexicon", "")
+    return {i: beam[i] for i in ids}, search
 
 
 class CachedLM:
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--lm", type=Path, required=True, help="the ARPA word LM")
         p.add_argument("--config", type=Path, required=True, help="a decoding config (conf/decode/*.yaml)")
         if name == "choose":
-            p.add_argument("--out", type=Path, required=True, help="the decoding config to write (the chosen values)")
+            p.add_argument("--out", type=Path, required=True,
+                           help="the decoding config to write (the chosen values, the beam's size)")
+            p.add_argument("--grid", type=Path, help="where the grid's WERs go (default: tune.json beside --out)")
             p.add_argument("--weights", type=_floats, default=list(WEIGHTS))
             p.add_argument("--bonuses", type=_floats, default=list(BONUSES))
             p.add_argument("--then", nargs=3, action="append", default=[], metavar=("BEAM", "MANIFEST", "OUT_DIR"),
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             apply(args.beam, args.manifest, lm, config, args.lm, args.out_dir)
             return 0
         refs = {u.id: normalize_text(u.text) for u in read_manifest(args.manifest)}
-        beam, _ = read_beam(args.beam, list(refs))
+        beam, search = read_beam(args.beam, list(refs))
     except (TuneError, ConfigError, ManifestError, LMError, OSError) as e:
         print(f"tune: error: {e}", file=sys.stderr)
         return 1
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     best = next(g for g in grid if {k: g[k] for k in chosen} == chosen)
     without = next((g for g in grid if g["lm_weight"] == 0.0 and g["lm_word_bonus"] == 0.0), None)
     values = {**to_dict(config), **chosen}
+    values["beam_size"] = search.get("beam_size", config.beam_size)  # the beam that was rescored
     for key in ("lexicon", "lm"):  # the recipe passes these on the command line
         values.pop(key, None)
     comment = (f"# {args.config.name} with lm_weight and lm_word_bonus chosen on dev by recipes/synth/local/tune.py\n"
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                f"# dev WER {100 * best['wer']:.2f}%\n")
     with atomic_open(args.out) as f:
         f.write(comment + yaml.safe_dump(values, sort_keys=False))
-    with atomic_open(args.out.with_name("tune.json")) as f:
+    with atomic_open(args.grid or args.out.with_name("tune.json")) as f:
         f.write(json.dumps({"manifest": str(args.manifest), "beam": str(args.beam), "chosen": chosen,
                             "dev_wer": best["wer"], "grid": grid}, indent=1) + "\n")
     print(f"tune: chose lm_weight {chosen['lm_weight']}, lm_word_bonus {chosen['lm_word_bonus']} on dev: "
@@ -218,11 +222,11 @@ def apply(beam_dir: Path, manifest: Path, lm: NgramLM, config: DecodingConfig, l
     """The beam of `beam_dir` rescored with config's lm_weight and lm_word_bonus, written to `out`
     by asr.decode.write_outputs, as `asr decode` with that config, its lexicon and the LM writes."""
     utts = read_manifest(manifest)
-    beam, lexicon = read_beam(beam_dir, [u.id for u in utts])
+    beam, search = read_beam(beam_dir, [u.id for u in utts])
     hyps = best_texts(beam, lm, config.lm_weight, config.lm_word_bonus)
     out.mkdir(parents=True, exist_ok=True)
     wer = write_outputs(out, utts, {i: {"text": text} for i, text in hyps.items()},
-                        dataclasses.replace(config, lexicon=lexicon, lm=str(lm_path)))
+                        dataclasses.replace(config, lexicon=search.get("lexicon", ""), lm=str(lm_path)))
     print(f"tune: {out}: lm_weight {config.lm_weight}, lm_word_bonus {config.lm_word_bonus}: "
           f"WER {100 * wer['wer']:.2f}% CER {100 * wer['cer']:.2f}% ({wer['utterances']} utterances)")
 
