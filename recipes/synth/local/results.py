@@ -7,9 +7,9 @@ The dev sets speak the same held-out sentences and differ in the voice, so each 
 dev, the unseen accents (pronunciation); dev_near, the training accents in voice variants training
 never used (acoustics, near); dev_synth, Festival's ked voice (a synthesizer never heard).
 Reads EXP/decode_<set>{_open,_open_lm,_lexicon,}/hyp.txt and ref.txt (stage 5), the manifests'
-speakers ("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words), DATA/dev_synth.skipped
-(why there is no dev_synth) and EXP/tune_open_lm.json and tune.json (the LM weights chosen on dev). A set not made and a
-decode that is missing are named, not guessed.
+speakers ("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words),
+DATA/dev_synth.skipped (why there is no dev_synth) and EXP/tune_open_lm.json and tune.json (the LM
+weights chosen on dev). A set not made and a decode that is missing are named, not guessed.
 """
 from __future__ import annotations
 
