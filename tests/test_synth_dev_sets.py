@@ -220,3 +220,36 @@ def test_learning_check_names_each_dev_set_or_why_it_is_missing(tmp_path):
     (tmp_path / "dev_near.jsonl").unlink()  # a corpus made before the near variants were held out
     assert learning_check.dev_sets(tmp_path)["dev_near"] == f"not made ({tmp_path} has no dev_near.jsonl)"
     assert sets["dev_synth"] == "skipped: festival.sh: cannot fetch Festival: no apt-get"
+
+
+def test_choose_on_dev_decodes_apart_from_the_recipes_own_decodes(tmp_path, monkeypatch):
+    """tools/choose_on_dev.py decodes each dev set at beam 10 into folders of its own: stage 5's
+    decode_<set>_open (beam 40, kept for the LM) in the same experiment is neither read nor written."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import choose_on_dev
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for dev in choose_on_dev.DEV_SETS:
+        (data / f"{dev}.jsonl").write_text("")
+    exp = tmp_path / "recipe" / "exp" / "choice_base_s0"
+    stage5 = exp / "decode_dev_open"
+    stage5.mkdir(parents=True)
+    (exp / "model_avg.pt").write_text("")
+    (stage5 / "wer.json").write_text(json.dumps({"wer": 0.5}))  # beam 40: not choose_on_dev's figure
+    decoded = []
+
+    def fake_run(cmd, log):
+        out = Path(cmd[cmd.index("--out-dir") + 1])
+        assert cmd[cmd.index("--beam-size") + 1] == "10"
+        out.mkdir(parents=True)
+        (out / "wer.json").write_text(json.dumps({"wer": 0.25}))
+        decoded.append(out)
+
+    monkeypatch.setattr(choose_on_dev, "RECIPE", tmp_path / "recipe")
+    monkeypatch.setattr(choose_on_dev, "ROOT", tmp_path)
+    monkeypatch.setattr(choose_on_dev, "run", fake_run)
+    result = choose_on_dev.one_run("base", [], 0, data, tmp_path / "log")
+    assert [result[d] for d in choose_on_dev.DEV_SETS] == [25.0, 25.0, 25.0]
+    assert len(decoded) == 3 and stage5 not in decoded and all(d.parent == exp for d in decoded)
+    assert json.loads((stage5 / "wer.json").read_text()) == {"wer": 0.5}

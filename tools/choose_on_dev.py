@@ -10,8 +10,9 @@ averaging, `training.seed=SEED` and the overrides) into recipes/synth/exp/choice
 `asr decode` of dev (unseen accents), dev_near (training accents, unseen voice variants) and
 dev_synth (an unseen synthesizer) open vocabulary (no lexicon, no LM; conf/decode/synth.yaml at
 beam 10, as the earlier tables were made: the recipe's stage 5 now searches at 40 and keeps the beam
-for its LM, within 0.2 points of 10 without one). The test set is not decoded. Finished runs and decodes are
-kept and reused, so an interrupted comparison resumes. The data (stages 0-2) must exist:
+for its LM, within 0.2 points of 10 without one) into decode_<set>_open_beam10, apart from stage 5's
+folders. The test set is not decoded. Finished runs and decodes are kept and reused, so an
+interrupted comparison resumes. The data (stages 0-2) must exist:
 `bash recipes/synth/run.sh --stop-stage 2` (or --data-dir). The table gives, per variant and dev
 set, the mean open-vocabulary WER over seeds with its spread (max - min) and each seed's figure,
 and the mean training time (stage 3's wall clock: side-by-side runs share the cores).
@@ -66,7 +67,7 @@ def one_run(name: str, overrides: list[str], seed: int, data: Path, log: Path) -
         manifest = data / f"{dev}.jsonl"
         if not manifest.exists():
             continue
-        out = exp / f"decode_{dev}_open"
+        out = exp / f"decode_{dev}_open_beam10"  # not stage 5's decode_{dev}_open (beam 40), should it run here
         if not (out / "wer.json").exists():
             run([sys.executable, "-m", "asr.cli", "decode", "--model", model, "--manifest", manifest, "--out-dir", out,
                  "--config", ROOT / "conf" / "decode" / "synth.yaml", "--beam-size", "10"], log)
