@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_api import write_decode_files
+from test_api import write_decode_files, write_model_file
 
 from asr.decode import decode_manifest
 from asr.decoding import DecodingConfig
@@ -116,6 +116,45 @@ def test_an_open_vocabulary_beam_is_rescored_as_decoding_it_with_the_lm(decoded,
     rescored = hyps(tmp_path / "open_lm")
     assert rescored == hyps(tmp_path / "decoded_lm") and all(rescored.values())
     assert rescored != hyps(tmp_path / "open")  # the LM changed something: the comparison is not vacuous
+
+
+def test_fusion_grid_gives_each_points_decode_and_its_mean_over_models(decoded, tmp_path, capsys):
+    """`fusion` decodes dev open vocabulary with the LM inside the search at every weight x bonus, by
+    each model: each point's WERs are `asr decode`'s with that fusion, their mean orders the grid."""
+    folder = decoded["folder"]
+    second = write_model_file(tmp_path / "second.pt", seed=1, eos_bias=0.0)
+    models = [folder / "model.pt", second]
+    assert tune.main(["fusion", "--model", *map(str, models), "--manifest", str(decoded["manifest"]),
+                      "--lm", str(folder / "lm.arpa"), "--config", str(decoded["config"]),
+                      "--out-dir", str(tmp_path / "grid"), "--weights", "0,10", "--bonuses", "1"]) == 0
+    grid = json.loads((tmp_path / "grid" / "fusion.json").read_text())["grid"]
+    assert [g["wer"] for g in grid] == sorted(g["wer"] for g in grid) and len(grid) == 2
+    texts = {}
+    for g in grid:
+        fused = DecodingConfig(**{**SEARCH, "lm_weight": g["lm_weight"], "lm_word_bonus": g["lm_word_bonus"]},
+                               lm=str(folder / "lm.arpa"), lm_fusion=True)
+        wers = []
+        for number, model in enumerate(models):
+            out = tmp_path / f"check{number}_{g['lm_weight']}"
+            wers.append(decode_manifest(model, decoded["manifest"], out, fused)["wer"])
+            texts[number, g["lm_weight"]] = hyps(out)
+            in_grid = tmp_path / "grid" / f"{number}_weight{g['lm_weight']}_bonus1.0"
+            assert hyps(in_grid) == texts[number, g["lm_weight"]]
+        assert g["wers"] == wers and g["wer"] == pytest.approx(sum(wers) / 2)
+    assert texts[0, 0.0] != texts[0, 10.0] and texts[0, 10.0] != texts[1, 10.0]  # the LM and the model matter
+    assert "lm_weight" in capsys.readouterr().out
+
+
+def test_search_grid_decodes_with_the_lexicon_at_each_point(decoded, tmp_path):
+    folder = decoded["folder"]
+    assert tune.main(["search", "--model", str(folder / "model.pt"), "--manifest", str(decoded["manifest"]),
+                      "--lexicon", str(folder / "words.txt"), "--config", str(decoded["config"]),
+                      "--out-dir", str(tmp_path), "--ctc-weights", "0.3", "--length-bonuses", "0,1"]) == 0
+    grid = json.loads((tmp_path / "search.json").read_text())["grid"]
+    assert sorted((g["ctc_weight"], g["length_bonus"]) for g in grid) == [(0.3, 0.0), (0.3, 1.0)]
+    for g in grid:
+        texts = hyps(tmp_path / f"0_weight0.3_bonus{g['length_bonus']}")
+        assert all(texts.values()) and all(set(h.split()) <= set(WORDS) for h in texts.values())
 
 
 def test_a_beam_decoded_without_the_whole_beam_or_with_an_lm_is_refused(decoded, capsys):

@@ -1,6 +1,7 @@
-"""The synth recipe's decoding choices, made on dev only: the word LM's weight and word bonus
-(every run, stage 5), and the search's CTC weight and length bonus (`search`, by hand: too slow for
-every run).
+"""The synth recipe's decoding choices, made on dev only: the word LM's weight and word bonus for
+rescoring a beam (every run, stage 5), and by hand (too slow for every run), the search's CTC weight
+and length bonus (`search`) and the weight and word bonus of the LM fused into the open-vocabulary
+search (`fusion`: conf/decode/synth_open_lm.yaml's values).
 
     python local/tune.py choose --beam EXP/decode_dev_lexicon --manifest DATA/dev.jsonl --lm DATA/lm.arpa \\
         --config conf/decode/synth.yaml --out EXP/decode.yaml [--grid EXP/tune.json] [--weights 0,0.1,...] \\
@@ -9,11 +10,13 @@ every run).
         --config EXP/decode.yaml --out-dir EXP/decode_test
     python local/tune.py search --model EXP/model_avg.pt --manifest DATA/dev.jsonl --lexicon DATA/words.txt \\
         --config conf/decode/synth.yaml --out-dir EXP/tune_search [--ctc-weights 0.1,0.2] [--length-bonuses 0.5,1]
+    python local/tune.py fusion --model EXP_S0/model_avg.pt EXP_S1/model_avg.pt ... --manifest DATA/dev.jsonl \\
+        --lm DATA/lm.arpa --config conf/decode/synth.yaml --out-dir DIR [--weights 0.2,0.3] [--bonuses 1.5,2.5]
 
-Both read the journal (decode.jsonl) of an `asr decode` run with decoding.nbest = beam_size, with
-the lexicon or without it (open vocabulary: a word the LM does not know scores as its <unk>): the
-whole beam of each utterance, with the search's scores. That is
-the list `asr decode` with decoding.lm rescores (asr.decoding.DecodingTask keeps the whole beam
+`choose` and `rescore` read the journal (decode.jsonl) of an `asr decode` run with decoding.nbest =
+beam_size, with the lexicon or without it (open vocabulary: a word the LM does not know scores as
+its <unk>): the whole beam of each utterance, with the search's scores. That is the list `asr
+decode` with decoding.lm rescores (asr.decoding.DecodingTask keeps the whole beam
 when an LM rescores it), so rescoring it here gives the same hypotheses as decoding again with the
 LM, without searching again.
 
@@ -24,17 +27,21 @@ grid to --grid (tune.json beside --out); each --then rescores another beam with 
 as `rescore` does, in the same process (the LM is read once). `rescore` applies a config's
 lm_weight and lm_word_bonus to a beam and writes hyp.txt, ref.txt, wer.json and errors.txt as
 `asr decode` does: the test set is rescored once, with the values chosen on dev. `search` decodes
-dev with the lexicon at every ctc_weight x length_bonus of its grid (the rest from --config) and
-prints the WERs, lowest first (search.json in --out-dir).
+dev with the lexicon at every ctc_weight x length_bonus of its grid, `fusion` open vocabulary with
+the LM inside the search (decoding.lm_fusion) at every lm_weight x lm_word_bonus (the rest from
+--config), each by every --model (several training seeds: their mean WER), and print the WERs,
+lowest mean first (search.json / fusion.json in --out-dir).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -120,21 +127,28 @@ def choose(beam: Beam, refs: dict[str, str], lm: NgramLM, weights: Sequence[floa
     return {"lm_weight": best["lm_weight"], "lm_word_bonus": best["lm_word_bonus"]}, grid
 
 
-def search_grid(model: Path, manifest: Path, lexicon: Path, config_path: Path, out: Path, ctc_weights: Sequence[float],
-                length_bonuses: Sequence[float]) -> list[dict[str, float]]:
-    """Dev decoded with the lexicon at every (ctc_weight, length_bonus): [{"ctc_weight",
-    "length_bonus", "wer", "cer"}], lowest WER first; each decode in out/ctc<w>_bonus<b>/."""
+def decode_grid(models: Sequence[Path], manifest: Path, config_path: Path, out: Path,
+                points: Sequence[dict[str, Any]], fixed: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """`manifest` decoded by each model at every point of the grid (decoding.key: value; `fixed`:
+    decoding.key=value overrides of every point), the rest from `config_path`: [{**point, "wer",
+    "cer" (means over the models), "wers" (each model's)}], lowest mean WER first (ties: the point's
+    smaller values, in order); each decode in out/<model number>_<key><value>_.../."""
     grid = []
-    for weight in ctc_weights:
-        for bonus in length_bonuses:
-            config = load_decoding_config(str(config_path), [
-                f"decoding.lexicon={lexicon}", f"decoding.ctc_weight={weight}", f"decoding.length_bonus={bonus}"])
-            wer = decode_manifest(model, manifest, out / f"ctc{weight}_bonus{bonus}", config)
-            grid.append({"ctc_weight": weight, "length_bonus": bonus, "wer": wer["wer"], "cer": wer["cer"]})
-    grid.sort(key=lambda g: (g["wer"], g["cer"]))
-    with atomic_open(out / "search.json") as f:
-        f.write(json.dumps({"manifest": str(manifest), "config": str(config_path), "grid": grid}, indent=1) + "\n")
+    for point in points:
+        name = "_".join(f"{k.split('_')[-1]}{v}" for k, v in point.items())
+        stats = [decode_manifest(model, manifest, out / f"{number}_{name}", load_decoding_config(
+            str(config_path), [*fixed, *(f"decoding.{k}={v}" for k, v in point.items())]))
+            for number, model in enumerate(models)]
+        grid.append({**point, "wer": statistics.mean(w["wer"] for w in stats),
+                     "cer": statistics.mean(w["cer"] for w in stats), "wers": [w["wer"] for w in stats]})
+    grid.sort(key=lambda g: (g["wer"], *(g[k] for k in points[0])))
     return grid
+
+
+def write_grid(path: Path, models: Sequence[Path], manifest: Path, config_path: Path, grid: list[dict]) -> None:
+    with atomic_open(path) as f:
+        f.write(json.dumps({"manifest": str(manifest), "config": str(config_path),
+                            "models": [str(m) for m in models], "grid": grid}, indent=1) + "\n")
 
 
 def _floats(text: str) -> list[float]:
@@ -162,22 +176,36 @@ def main(argv: list[str] | None = None) -> int:
                            help="then rescore this beam with the chosen values into OUT_DIR (repeatable)")
         else:
             p.add_argument("--out-dir", type=Path, required=True)
-    p = sub.add_parser("search")
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--manifest", type=Path, required=True, help="dev")
-    p.add_argument("--lexicon", type=Path, required=True)
-    p.add_argument("--config", type=Path, required=True)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--ctc-weights", type=_floats, default=[0.1, 0.2, 0.3])
-    p.add_argument("--length-bonuses", type=_floats, default=[0.5, 1.0, 1.5])
+    for name in ("search", "fusion"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", type=Path, nargs="+", required=True, help="one model, or several (the mean WER)")
+        p.add_argument("--manifest", type=Path, required=True, help="dev")
+        p.add_argument("--config", type=Path, required=True)
+        p.add_argument("--out-dir", type=Path, required=True)
+        if name == "search":
+            p.add_argument("--lexicon", type=Path, required=True)
+            p.add_argument("--ctc-weights", type=_floats, default=[0.1, 0.2, 0.3])
+            p.add_argument("--length-bonuses", type=_floats, default=[0.5, 1.0, 1.5])
+        else:
+            p.add_argument("--lm", type=Path, required=True, help="the ARPA word LM")
+            p.add_argument("--weights", type=_floats, default=[0.2, 0.3, 0.4, 0.5])
+            p.add_argument("--bonuses", type=_floats, default=[1.5, 2.5, 3.5])
     args = parser.parse_args(argv)
-    if args.command == "search":
+    if args.command in ("search", "fusion"):
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        grid = search_grid(args.model, args.manifest, args.lexicon, args.config, args.out_dir, args.ctc_weights,
-                           args.length_bonuses)
+        if args.command == "search":
+            keys, fixed = ("ctc_weight", "length_bonus"), [f"decoding.lexicon={args.lexicon}"]
+            values = [(w, b) for w in args.ctc_weights for b in args.length_bonuses]
+        else:
+            keys, fixed = ("lm_weight", "lm_word_bonus"), [f"decoding.lm={args.lm}", "decoding.lm_fusion=true"]
+            values = [(w, b) for w in args.weights for b in args.bonuses]
+        grid = decode_grid(args.model, args.manifest, args.config, args.out_dir,
+                           [dict(zip(keys, v)) for v in values], fixed)
+        write_grid(args.out_dir / f"{args.command}.json", args.model, args.manifest, args.config, grid)
         for g in grid:
-            print(f"ctc_weight {g['ctc_weight']}, length_bonus {g['length_bonus']}: "
-                  f"WER {100 * g['wer']:.2f}% CER {100 * g['cer']:.2f}%")
+            each = f" ({' / '.join(f'{100 * w:.2f}' for w in g['wers'])})" if len(g["wers"]) > 1 else ""
+            print(f"{keys[0]} {g[keys[0]]}, {keys[1]} {g[keys[1]]}: WER {100 * g['wer']:.2f}%{each} "
+                  f"CER {100 * g['cer']:.2f}%")
         return 0
     try:
         config = load_decoding_config(str(args.config))
