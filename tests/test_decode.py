@@ -116,7 +116,13 @@ def test_a_broken_manifest_fails_before_decoding(corpus, tmp_path):
 
 
 def test_decoding_configs(tmp_path):
-    presets = {p.stem: load_decoding_config(str(p)) for p in sorted(CONF.glob("*.yaml"))}
+    with_lm = {"synth_open_lm"}  # presets that fuse an LM given on the command line, and refuse to run without it
+    presets = {p.stem: load_decoding_config(str(p), ["decoding.lm=lm.arpa"] if p.stem in with_lm else [])
+               for p in sorted(CONF.glob("*.yaml"))}
+    for name in with_lm:
+        assert presets[name].lm_fusion
+        with pytest.raises(ConfigError, match="lm_fusion = True needs decoding.lm"):
+            load_decoding_config(str(CONF / f"{name}.yaml"))
     assert {"default", "greedy", "ctc_greedy", "ctc_rescore"} <= set(presets)
     default = DecodingConfig()
     assert presets["default"] == default

@@ -77,25 +77,28 @@ def test_a_bad_override_stops_before_any_stage(tmp_path):
 
 @pytest.mark.slow
 def test_stage_5_chooses_on_dev_then_decodes_dev_and_test_four_ways(tmp_path):
-    """Stages 0-6 on a tiny corpus: dev and test decoded with neither lexicon nor LM (the whole beam
-    kept), that beam rescored by the LM, with the lexicon (the whole beam kept), and with the lexicon
-    and the LM, each LM's weights chosen by local/tune.py on dev's beam; stage 6's table gives dev
-    beside test, per accent."""
+    """Stages 0-6 on a tiny corpus: dev and test decoded with neither lexicon nor LM, with the LM
+    inside the open search (conf/decode/synth_open_lm.yaml), with the lexicon (the whole beam kept),
+    and with the lexicon and the LM, its weights chosen by local/tune.py on dev's beam; stage 6's
+    table gives dev beside test, per accent."""
     out = run(tmp_path, "--config", str(ROOT / "conf" / "tiny.yaml"), "--nproc", "1", "training.epochs=2")
     exp = tmp_path / "exp"
     for s in ("dev", "test"):
         for suffix in ("_open", "_open_lm", "_lexicon", ""):
             assert json.loads((exp / f"decode_{s}{suffix}" / "wer.json").read_text())["utterances"] == 4
         search = {name: json.loads((exp / f"decode_{s}_{name}" / "decode.jsonl").read_text().splitlines()[0])
-                  ["header"]["search"] for name in ("open", "lexicon")}
+                  ["header"]["search"] for name in ("open", "open_lm", "lexicon")}
         assert search["lexicon"]["nbest"] == search["lexicon"]["beam_size"] and search["lexicon"]["lexicon"]
-        assert search["open"]["nbest"] == search["open"]["beam_size"] and not search["open"]["lexicon"]
-    for config, grid_file, beam in (("decode.yaml", "tune.json", "lexicon"), ("decode_open_lm.yaml",
-                                                                            "tune_open_lm.json", "open")):
-        tuned, grid = yaml.safe_load((exp / config).read_text()), json.loads((exp / grid_file).read_text())
-        assert {k: tuned[k] for k in ("lm_weight", "lm_word_bonus")} == grid["chosen"]
-        assert grid["manifest"].endswith("dev.jsonl") and len(grid["grid"]) > 10
-        assert grid["beam"].endswith(f"decode_dev_{beam}")
+        assert not search["open"]["lexicon"] and not search["open"]["lm"]
+        shipped = yaml.safe_load((ROOT / "conf" / "decode" / "synth_open_lm.yaml").read_text())
+        assert search["open_lm"]["lm"].endswith("lm.arpa") and search["open_lm"]["lm_fusion"]
+        fields = {k: v for k, v in shipped.items() if k in search["open_lm"]}  # (the search's, not batching)
+        assert {"beam_size", "lm_weight", "lm_word_bonus", "lm_fusion"} <= set(fields)
+        assert {k: search["open_lm"][k] for k in fields} == fields and not search["open_lm"]["lexicon"]
+    tuned, grid = yaml.safe_load((exp / "decode.yaml").read_text()), json.loads((exp / "tune.json").read_text())
+    assert {k: tuned[k] for k in ("lm_weight", "lm_word_bonus")} == grid["chosen"]
+    assert grid["manifest"].endswith("dev.jsonl") and len(grid["grid"]) > 10
+    assert grid["beam"].endswith("decode_dev_lexicon")
     results = json.loads((exp / "results.json").read_text())
     assert results["corpus"]["seed"] == 0
     assert set(results["decodes"]) == {"open", "open+lm", "lexicon", "lexicon+lm"}

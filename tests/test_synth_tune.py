@@ -186,7 +186,7 @@ def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
     assert got["decodes"]["lexicon+lm"]["dev"] is None and got["decodes"]["open+lm"]["dev"] is None
     table = results.markdown(got)
     assert "| open vocabulary (no lexicon, no LM) | 25.00% /" in table and "not decoded" in table
-    assert "| open vocabulary, the beam rescored by the word LM (weights chosen on dev) | not decoded" in table
+    assert "| open vocabulary with the word LM in the search (weights chosen on dev) | not decoded" in table
     # the three dev sets side by side, then test: dev_near decoded, dev_synth not made
     header = table.splitlines()[0]
     assert header.index("dev: unseen accents") < header.index("dev_near: unseen voices") < header.index(
@@ -200,10 +200,12 @@ def test_results_table_gives_dev_beside_test_per_accent(tmp_path):
     got = results.collect(exp, data)
     assert got["sets"]["dev_synth"] == "skipped: festival.sh: cannot fetch Festival: no apt-get"
     assert "| skipped |" in results.markdown(got) and "dev_synth skipped: festival.sh" in results.markdown(got)
-    # the LM weights chosen on dev, for the open beam and the lexicon's, each named
-    for name, weight in (("tune_open_lm", 0.4), ("tune", 0.3)):
-        (exp / f"{name}.json").write_text(json.dumps({"chosen": {"lm_weight": weight, "lm_word_bonus": 1.5},
-                                                      "dev_wer": 0.2}))
+    # the LM weights of the open search (its wer.json's) and those chosen on the lexicon's beam, each named
+    (exp / "tune.json").write_text(json.dumps({"chosen": {"lm_weight": 0.3, "lm_word_bonus": 1.5}, "dev_wer": 0.2}))
+    (exp / "decode_dev_open_lm").mkdir()
+    (exp / "decode_dev_open_lm" / "wer.json").write_text(json.dumps(
+        {"wer": 0.2, "decoding": {"lm_weight": 0.4, "lm_word_bonus": 2.5, "lm_fusion": True}}))
     table = results.markdown(results.collect(exp, data))
-    assert ("open vocabulary: LM weight 0.4 and word bonus 1.5 chosen on dev (20.00%); "
-            "with the lexicon: LM weight 0.3 and word bonus 1.5 chosen on dev (20.00%)") in table
+    assert ("open vocabulary with the LM: weight 0.4 and word bonus 2.5 (conf/decode/synth_open_lm.yaml, chosen "
+            "on dev over three training seeds); with the lexicon: LM weight 0.3 and word bonus 1.5 chosen on "
+            "dev's beam (20.00%)") in table

@@ -177,13 +177,12 @@ run_stage 3 "train $(basename "$config")" train
 run_stage 4 "average the last checkpoints" asr average --exp-dir "$exp" --by last --num 5
 # Every choice on dev, the test set decoded once with them (conf/decode/synth.yaml's search):
 # dev_near and dev_synth (when stage 0 made them): open vocabulary (~10 s each for 200 lines), with
-# --extra-dev-decodes all also the lexicon and the LM as dev is (~10 s more each)
-#   decode_{dev,test}_open     no lexicon and no LM: any text may be written (the headline figure); the
-#                              whole beam kept for the LM (alone, beam 10 did as well as 40 on dev)
-#   decode_{dev,test}_open_lm  the open beam rescored by stage 1's word LM, its weight and word bonus
-#                              chosen on dev's open beam ($exp/decode_open_lm.yaml, the grid in
-#                              $exp/tune_open_lm.json): any text may still be written (a word the LM
-#                              does not know scores as its <unk>); every open set is rescored
+# --extra-dev-decodes all also with the LM, the lexicon, and both, as dev is (~15 s more each)
+#   decode_{dev,test}_open     no lexicon and no LM: any text may be written (the headline figure)
+#   decode_{dev,test}_open_lm  open vocabulary with stage 1's word LM inside the search
+#                              (conf/decode/synth_open_lm.yaml: its weight and word bonus chosen on dev
+#                              over three training seeds by `local/tune.py fusion`): any text may still
+#                              be written (a word the LM does not know scores as its <unk>)
 #   decode_{dev,test}_lexicon  the training words as a closed lexicon (asr.lexicon), the whole beam
 #                              kept (decoding.nbest = beam_size): a word never trained is an error
 #   local/tune.py choose       the LM weight and word bonus that rescore dev's beam best, into
@@ -194,15 +193,17 @@ decode() {
   local conf=$root/conf/decode/synth.yaml set beam
   [ -f "$data/lm.arpa" ] || word_lm  # an experiment whose stage 1 ran before stage 1 built the LM
   beam=$(python -c 'import sys; from asr.decoding import load_decoding_config as c; print(c(sys.argv[1]).beam_size)' "$conf")
-  local then=() open_then=() sets=(dev test)
+  local then=() sets=(dev test)
   for set in dev_near dev_synth; do [ -s "$data/$set.jsonl" ] && sets+=("$set"); done
   for set in "${sets[@]}"; do
     asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open" \
-      --config "$conf" decoding.nbest="$beam"
-    open_then+=(--then "$exp/decode_${set}_open" "$data/$set.jsonl" "$exp/decode_${set}_open_lm")
+      --config "$conf"
     case $set in  # (an extra set's decodes of an earlier `all` run are removed, not reported stale)
-      dev|test) ;; *) [ "$extra_decodes" = all ] || { rm -rf "$exp/decode_${set}_lexicon" "$exp/decode_$set"; continue; };;
+      dev|test) ;;
+      *) [ "$extra_decodes" = all ] || { rm -rf "$exp/decode_${set}"{_open_lm,_lexicon,}; continue; };;
     esac
+    asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_open_lm" \
+      --config "$root/conf/decode/synth_open_lm.yaml" --lm "$data/lm.arpa"
     asr decode --model "$exp/model_avg.pt" --manifest "$data/$set.jsonl" --out-dir "$exp/decode_${set}_lexicon" \
       --config "$conf" decoding.lexicon="$data/words.txt" decoding.nbest="$beam"
     then+=(--then "$exp/decode_${set}_lexicon" "$data/$set.jsonl" "$exp/decode_$set")
@@ -217,8 +218,6 @@ decode() {
   fi
   python local/tune.py choose --beam "$exp/decode_dev_lexicon" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
     --config "$conf" --out "$exp/decode.yaml" "${then[@]}"
-  python local/tune.py choose --beam "$exp/decode_dev_open" --manifest "$data/dev.jsonl" --lm "$data/lm.arpa" \
-    --config "$conf" --out "$exp/decode_open_lm.yaml" --grid "$exp/tune_open_lm.json" "${open_then[@]}"
 }
 run_stage 5 "decode the dev sets and test (conf/decode/synth.yaml): open vocabulary, alone and with the LM, the lexicon, the lexicon and the LM (the LM's weights chosen on dev)" decode
 results() {

@@ -8,8 +8,9 @@ dev, the unseen accents (pronunciation); dev_near, the training accents in voice
 never used (acoustics, near); dev_synth, Festival's ked voice (a synthesizer never heard).
 Reads EXP/decode_<set>{_open,_open_lm,_lexicon,}/hyp.txt and ref.txt (stage 5), the manifests'
 speakers ("<accent>+<variant>"), DATA/corpus.json (the seed, the unseen words),
-DATA/dev_synth.skipped (why there is no dev_synth) and EXP/tune_open_lm.json and tune.json (the LM
-weights chosen on dev). A set not made and a decode that is missing are named, not guessed.
+DATA/dev_synth.skipped (why there is no dev_synth), EXP/tune.json (the LM weights chosen on dev's
+lexicon beam) and decode_dev_open_lm/wer.json (the LM weights of the open-vocabulary search). A set
+not made and a decode that is missing are named, not guessed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from asr.manifest import read_manifest, read_transcripts
 from asr.metrics import score
 
 DECODES = (("open", "_open", "open vocabulary (no lexicon, no LM)"),
-           ("open+lm", "_open_lm", "open vocabulary, the beam rescored by the word LM (weights chosen on dev)"),
+           ("open+lm", "_open_lm", "open vocabulary with the word LM in the search (weights chosen on dev)"),
            ("lexicon", "_lexicon", "the training words as a closed lexicon"),
            ("lexicon+lm", "", "the lexicon and the word LM (weights chosen on dev)"))
 SETS = ("dev", "dev_near", "dev_synth", "test")
@@ -42,11 +43,11 @@ def rates(refs: dict[str, str], hyps: dict[str, str]) -> dict[str, Any]:
 
 
 def collect(exp: Path, data: Path) -> dict[str, Any]:
-    """{"corpus", "tune", "tune_open_lm", "sets": {set: "made" | "not made" | "skipped: <why>"},
+    """{"corpus", "tune", "open_lm", "sets": {set: "made" | "not made" | "skipped: <why>"},
     "decodes": {decode: {set: {"all": rates, "<accent>": rates} | None}}}."""
     out: dict[str, Any] = {"decodes": {}, "sets": {}}
-    for name in ("corpus", "tune", "tune_open_lm"):
-        path = (data if name == "corpus" else exp) / f"{name}.json"
+    for name, path in (("corpus", data / "corpus.json"), ("tune", exp / "tune.json"),
+                       ("open_lm", exp / "decode_dev_open_lm" / "wer.json")):
         out[name] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
     speakers: dict[str, dict[str, str]] = {}
     for s in SETS:
@@ -109,11 +110,15 @@ def markdown(results: dict[str, Any]) -> str:
                              f"({100 * split['unseen_distinct_words'] / split['distinct_words']:.1f}%), "
                              f"{100 * split['unseen_words'] / split['words']:.1f}% of running words, "
                              "never in training or LM text")
-    for key, what in (("tune_open_lm", "open vocabulary"), ("tune", "with the lexicon")):
-        tune = results.get(key)
-        if tune:
-            notes.append(f"{what}: LM weight {tune['chosen']['lm_weight']} and word bonus "
-                         f"{tune['chosen']['lm_word_bonus']} chosen on dev ({100 * tune['dev_wer']:.2f}%)")
+    search = (results.get("open_lm") or {}).get("decoding")
+    if search:
+        notes.append(f"open vocabulary with the LM: weight {search['lm_weight']} and word bonus "
+                     f"{search['lm_word_bonus']} (conf/decode/synth_open_lm.yaml, chosen on dev over three "
+                     "training seeds)")
+    tune = results.get("tune")
+    if tune:
+        notes.append(f"with the lexicon: LM weight {tune['chosen']['lm_weight']} and word bonus "
+                     f"{tune['chosen']['lm_word_bonus']} chosen on dev's beam ({100 * tune['dev_wer']:.2f}%)")
     return "\n".join(lines) + ("\n\n" + "; ".join(notes) if notes else "")
 
 
