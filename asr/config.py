@@ -199,13 +199,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
-    """Load dataclass `cls` from a YAML file (None: defaults only), then apply key=value overrides."""
+def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = (),
+                values: Mapping[str, Any] | None = None) -> T:
+    """Load dataclass `cls` from a YAML file (None: defaults only), then apply key=value overrides,
+    then `values` (top-level fields, already typed: a command line's), checked together."""
     data = read_yaml(path) if path is not None else {}
     source = str(path) if path is not None else "config"
     if overrides:
         data = _merge(data, parse_overrides(overrides))
         source += " (with overrides)"
+    if values:
+        data = {**data, **values}
+        source += " (with the command line)"
     return from_dict(cls, data, source=source)
 
 

@@ -140,11 +140,13 @@ def load_decoding_config(path: str | None, overrides: Sequence[str] = (), **cli_
         if not sep or not key.startswith("decoding."):
             raise ConfigError(f"override '{item}': expected decoding.key=value")
         keys.append(item[len("decoding."):])
-    config = load_config(DecodingConfig, path, keys)
     flags = {k: v for k, v in cli_values.items() if v is not None}
     unknown = sorted(set(flags) - {f.name for f in dataclasses.fields(DecodingConfig)})
     if unknown:
         raise ConfigError(f"unknown decoding option '{unknown[0]}'")
+    # the command line's LM is there when the file's options are checked (a preset that fuses an LM
+    # given on the command line, conf/decode/synth_open_lm.yaml)
+    config = load_config(DecodingConfig, path, keys, {"lm": flags["lm"]} if "lm" in flags else None)
     without_lm = [name for name in LM_OPTIONS if name in flags and not flags.get("lm", config.lm)]
     if without_lm:
         raise ConfigError(f"--{without_lm[0].replace('_', '-')} needs --lm LM")

@@ -123,6 +123,7 @@ def test_decoding_configs(tmp_path):
         assert presets[name].lm_fusion
         with pytest.raises(ConfigError, match="lm_fusion = True needs decoding.lm"):
             load_decoding_config(str(CONF / f"{name}.yaml"))
+        assert load_decoding_config(str(CONF / f"{name}.yaml"), lm="lm.arpa") == presets[name]  # as --lm gives it
     assert {"default", "greedy", "ctc_greedy", "ctc_rescore"} <= set(presets)
     default = DecodingConfig()
     assert presets["default"] == default
