@@ -23,11 +23,11 @@
 #     tools/pico.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
-#   4 average checkpoints          5 decode dev and test: open vocabulary, alone and its beam rescored
-#                                    by the word LM, with the training words as the lexicon, and with
-#                                    the lexicon and the LM; local/tune.py chooses the LM's weights on
-#                                    dev (test decoded once); dev_near and dev_synth open vocabulary,
-#                                    alone and with the LM (--extra-dev-decodes all: the lexicon too)
+#   4 average checkpoints          5 decode dev and test: open vocabulary, alone and with the word LM
+#                                    in the search, with the training words as the lexicon, and with
+#                                    the lexicon's beam rescored by the LM (local/tune.py chooses its
+#                                    weights on dev; test decoded once); dev_near and dev_synth open
+#                                    vocabulary (--extra-dev-decodes all: with the LM and the lexicon too)
 #   6 results table (each dev set and test, per accent), the accents' distances, a transcription
 # --streaming trains a streaming model (model.causal_conv and U2's dynamic chunk training:
 # model.dynamic_chunk) and stage 5 also decodes dev and test open vocabulary as it streams (the
