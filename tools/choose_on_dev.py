@@ -9,9 +9,10 @@ shipped). For each variant and seed: recipes/synth/run.sh stages 3-4 (training a
 averaging, `training.seed=SEED` and the overrides) into recipes/synth/exp/choice_NAME_sSEED, then
 `asr decode` of dev (unseen accents), dev_near (training accents, unseen voice variants) and
 dev_synth (an unseen synthesizer) open vocabulary (no lexicon, no LM; conf/decode/synth.yaml at
-beam 10, as the earlier tables were made: the recipe's stage 5 searches at 40, within 0.2 points of 10
-without an LM) into decode_<set>_open_beam10, apart from stage 5's folders. The test set is not decoded. Finished runs and decodes are kept and reused, so an
-interrupted comparison resumes. The data (stages 0-2) must exist:
+beam 10, as the earlier tables were made: the recipe's stage 5 searches at 40, within 0.2 points
+of 10 without an LM) into decode_<set>_open_beam10, apart from stage 5's folders. The test set is
+not decoded. Finished runs and decodes are kept and reused, so an interrupted comparison resumes.
+The data (stages 0-2) must exist:
 `bash recipes/synth/run.sh --stop-stage 2` (or --data-dir). The table gives, per variant and dev
 set, the mean open-vocabulary WER over seeds with its spread (max - min) and each seed's figure,
 and the mean training time (stage 3's wall clock: side-by-side runs share the cores).
