@@ -224,7 +224,7 @@ def test_learning_check_names_each_dev_set_or_why_it_is_missing(tmp_path):
 
 def test_choose_on_dev_decodes_apart_from_the_recipes_own_decodes(tmp_path, monkeypatch):
     """tools/choose_on_dev.py decodes each dev set at beam 10 into folders of its own: stage 5's
-    decode_<set>_open (beam 40, kept for the LM) in the same experiment is neither read nor written."""
+    decode_<set>_open (beam 40) in the same experiment is neither read nor written."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import choose_on_dev
 

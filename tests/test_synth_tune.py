@@ -92,8 +92,7 @@ def test_choose_takes_the_grid_point_of_the_lowest_dev_wer(decoded, tmp_path, ca
 
 def test_an_open_vocabulary_beam_is_rescored_as_decoding_it_with_the_lm(decoded, tmp_path):
     """No lexicon: `choose` on the open beam (at a beam other than --config's) writes a config of that
-    beam's size and its grid where --grid says, and its hypotheses are `asr decode`'s with that
-    config and the LM."""
+    beam's size, and its hypotheses are `asr decode`'s with that config and the LM."""
     folder = decoded["folder"]
     open_search = {**SEARCH, "beam_size": 4}
     decode_manifest(folder / "model.pt", decoded["manifest"], tmp_path / "open",
@@ -102,14 +101,14 @@ def test_an_open_vocabulary_beam_is_rescored_as_decoding_it_with_the_lm(decoded,
     records = [json.loads(line) for line in (tmp_path / "open" / "decode.jsonl").read_text().splitlines()[1:]]
     lm = tmp_path / "lm.arpa"
     train_ngram([r["nbest"][-1]["text"].split() for r in records] * 5).save(lm)
-    out, grid = tmp_path / "decode_open_lm.yaml", tmp_path / "tune_open_lm.json"
+    out = tmp_path / "decode_open_lm.yaml"
     assert tune.main(["choose", "--beam", str(tmp_path / "open"), "--manifest", str(decoded["manifest"]),
                       "--lm", str(lm), "--config", str(decoded["config"]), "--out", str(out),
-                      "--grid", str(grid), "--weights", "10", "--bonuses", "1",
+                      "--weights", "10", "--bonuses", "1",
                       "--then", str(tmp_path / "open"), str(decoded["manifest"]), str(tmp_path / "open_lm")]) == 0
     chosen = yaml.safe_load(out.read_text())
     assert (chosen["beam_size"], chosen["lm_weight"]) == (4, 10.0) and "lexicon" not in chosen
-    assert json.loads(grid.read_text())["beam"] == str(tmp_path / "open") and not (tmp_path / "tune.json").exists()
+    assert json.loads((tmp_path / "tune.json").read_text())["beam"] == str(tmp_path / "open")
     with_lm = DecodingConfig(**{**open_search, "lm_weight": chosen["lm_weight"],
                                 "lm_word_bonus": chosen["lm_word_bonus"]}, lm=str(lm))
     decode_manifest(folder / "model.pt", decoded["manifest"], tmp_path / "decoded_lm", with_lm)

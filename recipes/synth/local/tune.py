@@ -4,8 +4,8 @@ and length bonus (`search`) and the weight and word bonus of the LM fused into t
 search (`fusion`: conf/decode/synth_open_lm.yaml's values).
 
     python local/tune.py choose --beam EXP/decode_dev_lexicon --manifest DATA/dev.jsonl --lm DATA/lm.arpa \\
-        --config conf/decode/synth.yaml --out EXP/decode.yaml [--grid EXP/tune.json] [--weights 0,0.1,...] \\
-        [--bonuses 0,0.5,...] [--then BEAM MANIFEST OUT_DIR ...]
+        --config conf/decode/synth.yaml --out EXP/decode.yaml [--weights 0,0.1,...] [--bonuses 0,0.5,...] \\
+        [--then BEAM MANIFEST OUT_DIR ...]
     python local/tune.py rescore --beam EXP/decode_test_lexicon --manifest DATA/test.jsonl --lm DATA/lm.arpa \\
         --config EXP/decode.yaml --out-dir EXP/decode_test
     python local/tune.py search --model EXP/model_avg.pt --manifest DATA/dev.jsonl --lexicon DATA/words.txt \\
@@ -23,7 +23,7 @@ LM, without searching again.
 `choose` rescores dev's beam with every lm_weight x lm_word_bonus of the grid, picks the lowest
 dev WER (ties: the smaller weight, then the smaller bonus), and writes the decoding config with
 those two values and the beam's size to --out (the other values are --config's), and the whole
-grid to --grid (tune.json beside --out); each --then rescores another beam with the chosen values,
+grid to tune.json beside it; each --then rescores another beam with the chosen values,
 as `rescore` does, in the same process (the LM is read once). `rescore` applies a config's
 lm_weight and lm_word_bonus to a beam and writes hyp.txt, ref.txt, wer.json and errors.txt as
 `asr decode` does: the test set is rescored once, with the values chosen on dev. `search` decodes
@@ -136,9 +136,9 @@ def decode_grid(models: Sequence[Path], manifest: Path, config_path: Path, out: 
     grid = []
     for point in points:
         name = "_".join(f"{k.split('_')[-1]}{v}" for k, v in point.items())
-        stats = [decode_manifest(model, manifest, out / f"{number}_{name}", load_decoding_config(
-            str(config_path), [*fixed, *(f"decoding.{k}={v}" for k, v in point.items())]))
-            for number, model in enumerate(models)]
+        config = load_decoding_config(str(config_path), [*fixed, *(f"decoding.{k}={v}" for k, v in point.items())])
+        stats = [decode_manifest(model, manifest, out / f"{number}_{name}", config)
+                 for number, model in enumerate(models)]
         grid.append({**point, "wer": statistics.mean(w["wer"] for w in stats),
                      "cer": statistics.mean(w["cer"] for w in stats), "wers": [w["wer"] for w in stats]})
     grid.sort(key=lambda g: (g["wer"], *(g[k] for k in points[0])))
@@ -169,7 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         if name == "choose":
             p.add_argument("--out", type=Path, required=True,
                            help="the decoding config to write (the chosen values, the beam's size)")
-            p.add_argument("--grid", type=Path, help="where the grid's WERs go (default: tune.json beside --out)")
             p.add_argument("--weights", type=_floats, default=list(WEIGHTS))
             p.add_argument("--bonuses", type=_floats, default=list(BONUSES))
             p.add_argument("--then", nargs=3, action="append", default=[], metavar=("BEAM", "MANIFEST", "OUT_DIR"),
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                f"# dev WER {100 * best['wer']:.2f}%\n")
     with atomic_open(args.out) as f:
         f.write(comment + yaml.safe_dump(values, sort_keys=False))
-    with atomic_open(args.grid or args.out.with_name("tune.json")) as f:
+    with atomic_open(args.out.with_name("tune.json")) as f:
         f.write(json.dumps({"manifest": str(args.manifest), "beam": str(args.beam), "chosen": chosen,
                             "dev_wer": best["wer"], "grid": grid}, indent=1) + "\n")
     print(f"tune: chose lm_weight {chosen['lm_weight']}, lm_word_bonus {chosen['lm_word_bonus']} on dev: "
