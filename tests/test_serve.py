@@ -572,7 +572,8 @@ def test_web_page_records_from_the_microphone(server, spoken_model, chromium, tm
     been resampled twice (the fake device's rate, then the page's 16 kHz), and on a loaded machine
     the browser drops a few milliseconds here and there, which the tiny test model can hear as an
     extra token or two. So the test checks that the recording holds the sentence (its energy
-    envelope, and most of its words), and that the page shows exactly what the server hears in it."""
+    envelope, and most of its words, whatever it adds after them), and that the page shows
+    exactly what the server hears in it."""
     import jiwer
     from selenium.webdriver.common.by import By
 
@@ -597,4 +598,5 @@ def test_web_page_records_from_the_microphone(server, spoken_model, chromium, tm
     sf.write(wav, recorded, rate)
     status, body, _ = server.post(wav.read_bytes(), wav.name)
     assert status == 200 and shown == body["text"]
-    assert jiwer.wer(spoken_model.texts[10], shown) <= 0.4  # at most 2 of its 5 words missed
+    # At most 2 of its 5 words missed; words added in the resampled silence are not counted.
+    assert jiwer.process_words(spoken_model.texts[10], shown).hits >= 3
