@@ -253,3 +253,24 @@ def test_choose_on_dev_decodes_apart_from_the_recipes_own_decodes(tmp_path, monk
     assert [result[d] for d in choose_on_dev.DEV_SETS] == [25.0, 25.0, 25.0]
     assert len(decoded) == 3 and stage5 not in decoded and all(d.parent == exp for d in decoded)
     assert json.loads((stage5 / "wer.json").read_text()) == {"wer": 0.5}
+
+
+def test_learning_check_trains_from_the_audio_when_noise_or_reverberation_is_on(tmp_path, monkeypatch):
+    """Dumped features would leave data.augment.noise/reverb nothing to apply to: with either on,
+    no features are dumped and training is given none (the CMVN statistics are still made)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import learning_check
+
+    from asr.train_setup import load_experiment_config
+
+    calls = []
+    monkeypatch.setattr(learning_check, "run", lambda cmd, log, *a: calls.append([str(c) for c in cmd]))
+    for overrides, dumped in (([], True), (["data.augment.noise.prob=0.5"], False),
+                              (["data.augment.reverb.prob=0.3"], False)):
+        calls.clear()
+        out = tmp_path / str(len(overrides) and overrides[0])
+        config = load_experiment_config(str(ROOT / "conf" / "small.yaml"), overrides)
+        lang, cmvn, feats = learning_check.prepare(config, tmp_path, tmp_path / "train.jsonl", out, out / "log")
+        cmvn_call = next(c for c in calls if c[1] == "cmvn")
+        assert ("--dump-feats" in cmvn_call) == dumped
+        assert feats == (out / "feats40" if dumped else None)

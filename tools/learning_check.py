@@ -25,7 +25,9 @@ OUT/learning_check.json.
    given the new lines (the folder itself is left as it is). Made once.
 2. The config's tokenizer (after the overrides) on the training text, CMVN statistics and dumped
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
-   (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too.
+   (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too. None dumped when
+   the overrides add noise or reverberation (data.augment.noise, reverb): training then computes
+   the features from the audio, which they need (slower).
 3. Training: --steps optimizer steps (training.max_steps: the schedule spans them) with --nproc
    processes (default 2, one thread each: the synth recipe's way on 2 cores), then the last 5
    checkpoints averaged.
@@ -166,9 +168,11 @@ def training_manifest(corpus: Path, out: Path, speeds: list[float] | None) -> Pa
     return path
 
 
-def prepare(config, corpus: Path, train: Path, out: Path, log: Path) -> tuple[Path, Path, Path]:
+def prepare(config, corpus: Path, train: Path, out: Path, log: Path) -> tuple[Path, Path, Path | None]:
     """(tokenizer folder, CMVN file, features folder) for the config and the training manifest
-    `train`, made once; the tokenizer learns corpus/train.jsonl's text."""
+    `train`, made once; the tokenizer learns corpus/train.jsonl's text. No features folder when
+    the config adds noise or reverberation (data.augment.on_waves): those need the audio, so
+    training computes every utterance's features from it, as the synth recipe does then."""
     t = config.tokenizer
     lang = out / (f"lang_{t.kind}" + ("" if t.kind == "char" else str(t.vocab_size)))
     if not (lang / "tokenizer.json").is_file():
@@ -177,9 +181,11 @@ def prepare(config, corpus: Path, train: Path, out: Path, log: Path) -> tuple[Pa
     n_mels = config.data.features.n_mels
     tag = "" if train.name == "train.jsonl" else "_" + train.stem.removeprefix("train_")
     cmvn, feats = out / f"cmvn{n_mels}{tag}.json", out / f"feats{n_mels}{tag}"
+    dump = not config.data.augment.on_waves
     if not cmvn.is_file():
-        run(["asr", "cmvn", "--manifest", train, "--n-mels", n_mels, "--out", cmvn, "--dump-feats", feats], log)
-    return lang, cmvn, feats
+        run(["asr", "cmvn", "--manifest", train, "--n-mels", n_mels, "--out", cmvn,
+             *(["--dump-feats", feats] if dump else [])], log)
+    return lang, cmvn, feats if dump else None
 
 
 def plateau_steps(records: list[dict], chance: float, below: float) -> dict:
@@ -235,7 +241,8 @@ def main() -> None:
     started = time.time()
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", 1, "--nproc-per-node", args.nproc,
          "-m", "asr.cli", "train", "--config", args.config, "--train", train,
-         "--valid", corpus / "dev.jsonl", "--exp-dir", exp, "--tokenizer", lang, "--cmvn", cmvn, "--feats", feats,
+         "--valid", corpus / "dev.jsonl", "--exp-dir", exp, "--tokenizer", lang, "--cmvn", cmvn,
+         *(["--feats", feats] if feats else []),
          f"training.num_threads={threads}", *overrides], log, env)
     train_seconds = time.time() - started
     run(["asr", "average", "--exp-dir", exp, "--by", "last", "--num", 5], log)
