@@ -274,3 +274,92 @@ def test_learning_check_trains_from_the_audio_when_noise_or_reverberation_is_on(
         cmvn_call = next(c for c in calls if c[1] == "cmvn")
         assert ("--dump-feats" in cmvn_call) == dumped
         assert feats == (out / "feats40" if dumped else None)
+
+
+def test_learning_check_reuses_another_checks_preparation_only_when_made_the_same_way(tmp_path, monkeypatch, capsys):
+    """--prepared-from DIR hard-links DIR's tokenizer, CMVN statistics and features when DIR's
+    prepared.json names the same corpus and settings; otherwise they are made again, said in a line."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import learning_check
+
+    from asr.train_setup import load_experiment_config
+
+    calls = []
+
+    def fake_run(cmd, log, *a):
+        calls.append(cmd[1])
+        if cmd[1] == "tokenizer":
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "tokenizer.json").write_text("{}")
+        else:
+            Path(cmd[cmd.index("--out") + 1]).write_text("{}")
+            Path(cmd[cmd.index("--dump-feats") + 1]).mkdir()
+            (Path(cmd[cmd.index("--dump-feats") + 1]) / "a.npy").write_text("x")
+
+    monkeypatch.setattr(learning_check, "run", fake_run)
+    config = load_experiment_config(str(ROOT / "conf" / "small.yaml"), [])
+    corpus, train = tmp_path / "corpus", tmp_path / "corpus" / "train.jsonl"
+    first = tmp_path / "first"
+    first.mkdir()
+    made = learning_check.prepare(config, corpus, train, first, first / "log")
+    assert calls == ["tokenizer", "cmvn"] and (first / learning_check.PREPARED).is_file()
+
+    calls.clear()
+    second = tmp_path / "second"
+    second.mkdir()
+    lang, cmvn, feats = learning_check.prepare(config, corpus, train, second, second / "log", reuse=first)
+    assert calls == []  # nothing made again
+    assert [p.name for p in (lang, cmvn, feats)] == [p.name for p in made]
+    assert (feats / "a.npy").stat().st_ino == (made[2] / "a.npy").stat().st_ino  # a link, not a copy
+
+    for other in (load_experiment_config(str(ROOT / "conf" / "small.yaml"), ["data.features.frame_shift_ms=20"]),
+                  config):
+        calls.clear()
+        third = tmp_path / f"third{len(list(tmp_path.iterdir()))}"
+        third.mkdir()
+        elsewhere = tmp_path / "other" / "train.jsonl" if other is config else train
+        learning_check.prepare(other, elsewhere.parent, elsewhere, third, third / "log", reuse=first)
+        assert calls == ["tokenizer", "cmvn"]  # other features, or another corpus: made here
+        assert "not reused" in capsys.readouterr().out
+
+
+def test_choose_on_dev_compares_learning_checks_sharing_the_first_ones_preparation(tmp_path, monkeypatch):
+    """--learning-check: each variant and seed one tools/learning_check.py run into OUT_ROOT/NAME_sSEED,
+    every run but the first pointed at the first's folder (--prepared-from); finished ones kept."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import choose_on_dev
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("")
+    calls = []
+
+    def fake_run(cmd, log):
+        cmd = [str(c) for c in cmd]
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        seed = int(next(c for c in cmd if c.startswith("training.seed="))[-1])
+        wer = 0.5 - 0.1 * ("model.d_model=192" in cmd) + 0.01 * seed
+        (out / "learning_check.json").write_text(json.dumps({"train_minutes": 2.0, "dev_sets": {
+            "dev": {"wer": wer}, "dev_near": {"wer": wer / 2}, "dev_synth": {"missing": "skipped: no Festival"}}}))
+
+    monkeypatch.setattr(choose_on_dev, "run", fake_run)
+    argv = ["choose_on_dev.py", "--learning-check", str(corpus), "--out-root", str(tmp_path / "runs"),
+            "--variant", "base=", "--variant", "wide=model.d_model=192", "--seeds", "0", "1",
+            "--json", str(tmp_path / "choice.json")]
+    monkeypatch.setattr(sys, "argv", argv)
+    choose_on_dev.main()
+    first = str(tmp_path / "runs" / "base_s0")
+    assert [c[c.index("--out") + 1] for c in calls] == [first, *(str(tmp_path / "runs" / n) for n in
+                                                                  ("wide_s0", "base_s1", "wide_s1"))]
+    assert "--prepared-from" not in calls[0] and all(c[c.index("--prepared-from") + 1] == first for c in calls[1:])
+    assert all(c[c.index("--data") + 1] == str(corpus) for c in calls)
+    result = json.loads((tmp_path / "choice.json").read_text())["variants"]
+    assert [r["dev"] for r in result["wide"]["runs"]] == pytest.approx([40.0, 41.0])
+    assert [r["dev_near"] for r in result["base"]["runs"]] == pytest.approx([25.0, 25.5])
+    assert all("dev_synth" not in r for r in result["base"]["runs"])
+    calls.clear()
+    choose_on_dev.main()  # finished: nothing run again
+    assert calls == []

@@ -3,6 +3,8 @@ variant and seed, decode its three dev sets, print mean and spread, write JSON.
 
     python tools/choose_on_dev.py --variant base= \\
         --variant warp=data.augment.warp.prob=0.5 --seeds 0 1 2 --json exp/choice_warp.json
+    python tools/choose_on_dev.py --learning-check exp/lc/data3 --variant base=data.augment.gain.prob=0.5 \
+        --variant "wide=data.augment.gain.prob=0.5 model.d_model=192 model.ffn_dim=768" --seeds 0 1 2
 
 Each variant is "NAME=OVERRIDES" (section.key=value, separated by spaces; empty for the recipe as
 shipped). For each variant and seed: recipes/synth/run.sh stages 3-4 (training and checkpoint
@@ -12,7 +14,12 @@ dev_synth (an unseen synthesizer) open vocabulary (no lexicon, no LM; conf/decod
 beam 10, as the earlier tables were made: the recipe's stage 5 searches at 40, within 0.2 points
 of 10 without an LM) into decode_<set>_open_beam10, apart from stage 5's folders. The test set is
 not decoded. Finished runs and decodes are kept and reused, so an interrupted comparison resumes.
-The data (stages 0-2) must exist:
+With --learning-check CORPUS, each variant and seed is instead `tools/learning_check.py --data
+CORPUS` (conf/small.yaml and the overrides, 6,000 steps, its dev sets decoded by its own
+conf/decode/small.yaml at beam 10) into --out-root/NAME_sSEED, every run after the first given
+the first one's tokenizer, CMVN statistics and features where they were made the same way
+(learning_check.py --prepared-from): the choices for conf/small.yaml. Otherwise
+the data (stages 0-2) must exist:
 `bash recipes/synth/run.sh --stop-stage 2` (or --data-dir). The table gives, per variant and dev
 set, the mean open-vocabulary WER over seeds with its spread (max - min) and each seed's figure,
 and the mean training time (stage 3's wall clock: side-by-side runs share the cores).
@@ -75,6 +82,23 @@ def one_run(name: str, overrides: list[str], seed: int, data: Path, log: Path) -
     return result
 
 
+def one_check(name: str, overrides: list[str], seed: int, corpus: Path, root: Path, first: Path | None,
+              log: Path) -> dict:
+    """One learning check (tools/learning_check.py) of the variant at training seed `seed`, made once."""
+    out = root / f"{name}_s{seed}"
+    report = out / "learning_check.json"
+    if not report.is_file():
+        run([sys.executable, ROOT / "tools" / "learning_check.py", "--out", out, "--data", corpus,
+             *(["--prepared-from", first] if first and first != out else []), f"training.seed={seed}", *overrides], log)
+    checked = json.loads(report.read_text())
+    result = {"exp": str(out), "train_seconds": checked["train_minutes"] * 60}
+    for dev in DEV_SETS:
+        scores = checked["dev_sets"].get(dev, {})
+        if "wer" in scores:
+            result[dev] = scores["wer"] * 100
+    return result
+
+
 def summary(values: list[float]) -> str:
     if not values:
         return "-"
@@ -90,17 +114,28 @@ def main() -> None:
                    help="a setting to compare (repeat); NAME= alone: the recipe as shipped")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training.seed values (default 0 1 2)")
     p.add_argument("--data-dir", type=Path, default=RECIPE / "data", help="the recipe's data (stages 0-2)")
+    p.add_argument("--learning-check", type=Path, metavar="CORPUS",
+                   help="compare conf/small.yaml's settings by tools/learning_check.py on this corpus folder "
+                        "(train.jsonl, dev.jsonl, dev_near.jsonl, dev_synth.jsonl) instead of the synth recipe")
+    p.add_argument("--out-root", type=Path, default=ROOT / "exp" / "choose_small",
+                   help="with --learning-check: the checks' folders go here (default exp/choose_small)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
-    data = args.data_dir.resolve()
+    data = (args.learning_check or args.data_dir).resolve()
     if not (data / "train.jsonl").exists():
-        sys.exit(f"choose_on_dev: {data}/train.jsonl is missing: run 'bash recipes/synth/run.sh --stop-stage 2' first")
+        sys.exit(f"choose_on_dev: {data}/train.jsonl is missing" + (
+            "" if args.learning_check else ": run 'bash recipes/synth/run.sh --stop-stage 2' first"))
     log = ROOT / "exp" / "choose_on_dev.log"
     log.parent.mkdir(exist_ok=True)
+    root = args.out_root.resolve()
     results: dict[str, list[dict]] = {}
     for seed in args.seeds:  # seed-major: every variant has a figure early
         for name, overrides in args.variant:
-            r = one_run(name, overrides, seed, data, log)
+            if args.learning_check:
+                first = root / f"{args.variant[0][0]}_s{args.seeds[0]}"
+                r = one_check(name, overrides, seed, data, root, first, log)
+            else:
+                r = one_run(name, overrides, seed, data, log)
             results.setdefault(name, []).append({"seed": seed, **r})
             print(f"{name} seed {seed}: " + ", ".join(f"{d} {r[d]:.1f}%" for d in DEV_SETS if d in r), flush=True)
     header = ["variant", *(f"{d} WER %" for d in DEV_SETS), "training s"]
@@ -117,7 +152,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         variants = {name: {"overrides": overrides, "runs": results[name]} for name, overrides in args.variant}
-        out = {"seeds": args.seeds, "data": str(data), "variants": variants}
+        out = {"seeds": args.seeds, "data": str(data), "learning_check": bool(args.learning_check),
+               "variants": variants}
         args.json.write_text(json.dumps(out, indent=2) + "\n")
 
 

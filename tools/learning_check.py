@@ -27,7 +27,9 @@ OUT/learning_check.json.
    training features, as recipes/synth/run.sh makes them; with the config's data.speed_perturb
    (conf/small.yaml: 0.9, 1.1) the features of the speed-perturbed copies too. None dumped when
    the overrides add noise or reverberation (data.augment.noise, reverb): training then computes
-   the features from the audio, which they need (slower).
+   the features from the audio, which they need (slower). OUT/prepared.json says what made them;
+   --prepared-from DIR hard-links another check's instead when its prepared.json matches (a
+   comparison of training settings on one corpus: tools/choose_on_dev.py --learning-check).
 3. Training: --steps optimizer steps (training.max_steps: the schedule spans them) with --nproc
    processes (default 2, one thread each: the synth recipe's way on 2 cores), then the last 5
    checkpoints averaged.
@@ -48,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +72,7 @@ ENGINES = {"flite": (FLITE, "Flite's voices"), "mbrola": (MBROLA, "MBROLA's voic
            "pico": (PICO, "SVOX Pico's voices")}
 # the dev sets: the same held-out lines, one gap each (module docstring)
 DEV_SETS = {"dev": "unseen accents", "dev_near": "unseen voices", "dev_synth": "unseen synthesizer"}
+PREPARED = "prepared.json"  # what the tokenizer, CMVN statistics and features in a check's folder were made from
 
 
 def run(cmd: list, log: Path, env: dict | None = None) -> None:
@@ -112,8 +116,8 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
 
 
 def linked_copy(src: Path, dst: Path) -> None:
-    """src's tree at dst, its files hard-linked (copied across file systems): what is rewritten later
-    (train.jsonl, a FLAC) is replaced by a rename, never written through a link into src."""
+    """src (a file, or a tree) at dst, its files hard-linked (copied across file systems): what is
+    rewritten later (train.jsonl, a FLAC) is replaced by a rename, never written through a link into src."""
     def link(a: str, b: str) -> None:
         try:
             os.link(a, b)
@@ -121,8 +125,11 @@ def linked_copy(src: Path, dst: Path) -> None:
             shutil.copy2(a, b)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, copy_function=link)
-    if dst.exists():
+    if src.is_dir():
+        shutil.copytree(src, tmp, copy_function=link)
+    else:
+        link(str(src), str(tmp))
+    if dst.is_dir():
         shutil.rmtree(dst)
     os.replace(tmp, dst)
 
@@ -168,23 +175,44 @@ def training_manifest(corpus: Path, out: Path, speeds: list[float] | None) -> Pa
     return path
 
 
-def prepare(config, corpus: Path, train: Path, out: Path, log: Path) -> tuple[Path, Path, Path | None]:
+def prepare(config, corpus: Path, train: Path, out: Path, log: Path,
+            reuse: Path | None = None) -> tuple[Path, Path, Path | None]:
     """(tokenizer folder, CMVN file, features folder) for the config and the training manifest
     `train`, made once; the tokenizer learns corpus/train.jsonl's text. No features folder when
     the config adds noise or reverberation (data.augment.on_waves): those need the audio, so
-    training computes every utterance's features from it, as the synth recipe does then."""
+    training computes every utterance's features from it, as the synth recipe does then.
+    With `reuse`, another check's folder: its three, hard-linked, when its PREPARED file says
+    they were made from the same corpus with the same settings (else made here, said in a line)."""
     t = config.tokenizer
     lang = out / (f"lang_{t.kind}" + ("" if t.kind == "char" else str(t.vocab_size)))
-    if not (lang / "tokenizer.json").is_file():
-        size = [] if t.kind == "char" else ["--vocab-size", t.vocab_size]
-        run(["asr", "tokenizer", "--manifest", corpus / "train.jsonl", "--kind", t.kind, *size, "--out", lang], log)
     n_mels = config.data.features.n_mels
     tag = "" if train.name == "train.jsonl" else "_" + train.stem.removeprefix("train_")
     cmvn, feats = out / f"cmvn{n_mels}{tag}.json", out / f"feats{n_mels}{tag}"
     dump = not config.data.augment.on_waves
-    if not cmvn.is_file():
+    stamp = {"corpus": str(corpus.resolve()), "train": train.name, "tokenizer": asdict(t),
+             "features": asdict(config.data.features), "features_dumped": dump}
+    if reuse is not None and not cmvn.is_file():
+        made = reuse / PREPARED
+        theirs = json.loads(made.read_text()) if made.is_file() else {}
+        same = {**theirs, "features_dumped": dump} == stamp and (theirs["features_dumped"] or not dump)
+        if same:
+            for path in (lang, *([feats] if dump else []), cmvn):  # the CMVN file last: it says the rest is done
+                if not path.exists():
+                    linked_copy(reuse / path.name, path)
+        else:
+            print(f"learning_check: {reuse}'s tokenizer, CMVN and features not reused: " +
+                  (f"it has no {PREPARED}" if not theirs else "another corpus, or other tokenizer or feature settings"),
+                  flush=True)
+    if not (lang / "tokenizer.json").is_file():
+        size = [] if t.kind == "char" else ["--vocab-size", t.vocab_size]
+        run(["asr", "tokenizer", "--manifest", corpus / "train.jsonl", "--kind", t.kind, *size, "--out", lang], log)
+    if not cmvn.is_file() or (dump and not feats.is_dir()):
         run(["asr", "cmvn", "--manifest", train, "--n-mels", n_mels, "--out", cmvn,
              *(["--dump-feats", feats] if dump else [])], log)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{PREPARED}.tmp"
+    tmp.write_text(json.dumps(stamp, indent=1) + "\n")
+    os.replace(tmp, out / PREPARED)
     return lang, cmvn, feats if dump else None
 
 
@@ -223,6 +251,9 @@ def main() -> None:
         p.add_argument(f"--{name}-add", action="store_true",
                        help=f"with --{name}: those lines added beside the others, which all stay "
                             f"({script.name} train --add)")
+    p.add_argument("--prepared-from", type=Path, metavar="DIR",
+                   help="another check's folder (--out) whose tokenizer, CMVN statistics and dumped features "
+                        "to hard-link, when its prepared.json says the same corpus and settings made them")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config")
     args = p.parse_args()
 
@@ -234,7 +265,7 @@ def main() -> None:
     config = load_experiment_config(args.config, overrides)
     corpus = make_data(args, out / "data", log)
     train = training_manifest(corpus, out, config.data.speed_perturb)
-    lang, cmvn, feats = prepare(config, corpus, train, out, log)
+    lang, cmvn, feats = prepare(config, corpus, train, out, log, args.prepared_from)
     exp = out / "exp"
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
