@@ -31,6 +31,10 @@ writes JSON.
    (of what the model sees: duration / speed) per wall second: each utterance's fastest load of
    --repeats rounds, summed (the machine is shared: this keeps the undisturbed speed).
    The collate and SpecAugment of a loader worker's batch are not included (tools/bench_data.py).
+   And (c) features with on-the-fly augmentation of every utterance (asr.augment, probability 1):
+   noise (the default kinds: white, pink, brown, babble of 3 other utterances), reverberation (a
+   simulated impulse response), both: what they cost per epoch, since they need the audio rather
+   than dumped features. An epoch at probability p costs p times the extra seconds per audio hour.
 4. CPU workers per GPU = ceil(required feed / per-worker feed), per loader kind; and the MFU
    ceiling of each loader kind with --cores-per-gpu cores per GPU (default 16, the project's H200
    machine), one of them for the training process and the rest loader workers.
@@ -59,6 +63,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from asr.audio import audio_info, load_audio
+from asr.augment import AugmentConfig, NoiseConfig, ReverbConfig
 from asr.config import load_config, read_yaml
 from asr.corpora import speed_perturb
 from asr.dataset import ASRDataset, Skipped
@@ -77,6 +82,10 @@ FILE_SECONDS = (2.0, 20.0)  # synthetic file lengths are clipped to this range
 # --device presets: gpu_check.py's dense bf16 peaks (TFLOP/s), named in lower case ("h100-pcie").
 DEVICES = {name.lower().replace(" ", "-"): tflops for name, tflops in PEAK_TFLOPS}
 TEXT = "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG"
+# on-the-fly augmentation timed on every utterance (asr.augment's defaults but the probability)
+AUGMENTS = {"noise": AugmentConfig(noise=NoiseConfig(prob=1.0)),
+            "reverb": AugmentConfig(reverb=ReverbConfig(prob=1.0)),
+            "noise + reverb": AugmentConfig(noise=NoiseConfig(prob=1.0), reverb=ReverbConfig(prob=1.0))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +229,12 @@ def loader_rates(utts: list[Utterance], feature_sets: Sequence[FeatureConfig], r
             name = f"features{suffix} ({feature_label(features)})"
             loaders[name] = lambda i, d=dataset: d.get(i, 0)
             chosen[name] = group
+        if features is feature_sets[0]:
+            for label, augment in AUGMENTS.items():
+                dataset = ASRDataset(utts, tokenizer, features=features, cmvn=cmvn, training=True, augment=augment)
+                name = f"features + {label} ({feature_label(features)})"
+                loaders[name] = lambda i, d=dataset: d.get(i, 0)
+                chosen[name] = utts
     times = best_item_times(loaders, {name: len(group) for name, group in chosen.items()}, repeats)
     return {name: sum(u.duration for u in chosen[name]) / t for name, t in times.items()}
 
@@ -265,7 +280,8 @@ def print_report(report: dict) -> None:
     print(f"\nFeed rate per CPU worker (1 process, 1 thread), {loading['files']} {loading['source']} files, "
           f"{loading['audio_s'] / 60:.1f} min (x3 with sp {'/'.join(map(str, SPEEDS))}), best of {loading['repeats']}")
     for name, rate in loading["audio_s_per_s"].items():
-        print(f"  {name:<40}{rate:>10.0f} audio-s/s")
+        extra = loading["augment_core_s_per_audio_hour"].get(name)
+        print(f"  {name:<40}{rate:>10.0f} audio-s/s" + (f"   +{extra:,.0f} core-s per audio hour" if extra else ""))
     p = report["peak"]
     print(f"\nRequired feed per GPU ({p['device']}, {p['tflops']:g} TFLOP/s dense bf16, {p['source']}) "
           f"and CPU loader workers per GPU (ceil(required / per worker))")
@@ -320,8 +336,12 @@ def measure_loading(args: argparse.Namespace, feature_sets: Sequence[FeatureConf
         else:
             utts, source = synthetic_utterances(Path(tmp), args.files), "synthetic FLAC"
         rates = loader_rates(utts, feature_sets, args.repeats)
+    plain = f"features ({feature_label(feature_sets[0])})"
+    extra = {name: 3600 / rate - 3600 / rates[plain] for name, rate in rates.items()
+             if name in (f"features + {label} ({feature_label(feature_sets[0])})" for label in AUGMENTS)}
     return {"source": source, "files": len(utts), "audio_s": sum(u.duration for u in utts), "threads": 1,
-            "repeats": args.repeats, "speeds": [1.0, *SPEEDS], "audio_s_per_s": rates}
+            "repeats": args.repeats, "speeds": [1.0, *SPEEDS], "audio_s_per_s": rates,
+            "augment_core_s_per_audio_hour": extra}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
