@@ -283,16 +283,20 @@ def _fit(noise: torch.Tensor, n: int, u: float) -> torch.Tensor:
 
 
 def colored_noise(n: int, kind: str, generator: torch.Generator) -> torch.Tensor:
-    """(n,) float32 noise of unit power: white (flat), pink (power ~ 1/f) or brown (~ 1/f^2)."""
-    white = torch.randn(n, generator=generator, dtype=torch.float64)
-    if kind != "white" and n > 1:
+    """(n,) float32 noise of unit power: white (flat), pink (power ~ 1/f) or brown (~ 1/f^2).
+    The coloured kinds are shaped at a power-of-two length and cut to n: the FFT of an
+    arbitrary length (an utterance's) can take several times longer."""
+    if kind == "white" or n < 2:
+        noise = torch.randn(n, generator=generator)
+    else:
+        size = 1 << (n - 1).bit_length()
         exponent = {"pink": 0.5, "brown": 1.0}[kind]  # of the amplitude
-        spectrum = torch.fft.rfft(white)
-        f = torch.arange(spectrum.numel(), dtype=torch.float64)
+        spectrum = torch.fft.rfft(torch.randn(size, generator=generator))
+        f = torch.arange(spectrum.numel(), dtype=torch.float32)
         spectrum = spectrum / f.clamp(min=1.0).pow(exponent)
         spectrum[0] = 0
-        white = torch.fft.irfft(spectrum, n=n)
-    return (white / white.square().mean().sqrt().clamp(min=1e-12)).float()
+        noise = torch.fft.irfft(spectrum, n=size)[:n]
+    return noise / noise.square().mean().sqrt().clamp(min=1e-12)
 
 
 def add_noise(wave: torch.Tensor, noise: torch.Tensor, snr_db: float) -> torch.Tensor:
@@ -325,13 +329,13 @@ def reverberate(wave: torch.Tensor, rir: torch.Tensor, *, keep_power: bool = Fal
         return wave
     d = int(rir.abs().argmax())
     size = 1 << (n + k - 2).bit_length()
-    full = torch.fft.irfft(torch.fft.rfft(wave.double(), size) * torch.fft.rfft(rir.double(), size), size)
+    full = torch.fft.irfft(torch.fft.rfft(wave.float(), size) * torch.fft.rfft(rir.float(), size), size)
     out = full[d:d + n]
     if keep_power:
-        p_out = out.square().mean()
+        p_out = out.double().square().mean()
         if p_out > 0:
-            out = out * torch.sqrt(wave.double().square().mean() / p_out)
-    return out.float()
+            out = out * float(torch.sqrt(wave.double().square().mean() / p_out))
+    return out
 
 
 def gain_offset(db: float) -> float:
