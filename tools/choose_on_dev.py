@@ -3,7 +3,7 @@ variant and seed, decode its three dev sets, print mean and spread, write JSON.
 
     python tools/choose_on_dev.py --variant base= \\
         --variant warp=data.augment.warp.prob=0.5 --seeds 0 1 2 --json exp/choice_warp.json
-    python tools/choose_on_dev.py --learning-check exp/lc/data3 --variant base=data.augment.gain.prob=0.5 \
+    python tools/choose_on_dev.py --learning-check exp/lc/data3 --variant base=data.augment.gain.prob=0.5 \\
         --variant "wide=data.augment.gain.prob=0.5 model.d_model=192 model.ffn_dim=768" --seeds 0 1 2
 
 Each variant is "NAME=OVERRIDES" (section.key=value, separated by spaces; empty for the recipe as
@@ -82,14 +82,14 @@ def one_run(name: str, overrides: list[str], seed: int, data: Path, log: Path) -
     return result
 
 
-def one_check(name: str, overrides: list[str], seed: int, corpus: Path, root: Path, first: Path | None,
-              log: Path) -> dict:
-    """One learning check (tools/learning_check.py) of the variant at training seed `seed`, made once."""
+def one_check(name: str, overrides: list[str], seed: int, corpus: Path, root: Path, first: Path, log: Path) -> dict:
+    """One learning check (tools/learning_check.py) of the variant at training seed `seed`, made once;
+    unless it is `first`, given `first`'s tokenizer, CMVN statistics and features."""
     out = root / f"{name}_s{seed}"
     report = out / "learning_check.json"
     if not report.is_file():
         run([sys.executable, ROOT / "tools" / "learning_check.py", "--out", out, "--data", corpus,
-             *(["--prepared-from", first] if first and first != out else []), f"training.seed={seed}", *overrides], log)
+             *(["--prepared-from", first] if first != out else []), f"training.seed={seed}", *overrides], log)
     checked = json.loads(report.read_text())
     result = {"exp": str(out), "train_seconds": checked["train_minutes"] * 60}
     for dev in DEV_SETS:
@@ -128,11 +128,11 @@ def main() -> None:
     log = ROOT / "exp" / "choose_on_dev.log"
     log.parent.mkdir(exist_ok=True)
     root = args.out_root.resolve()
+    first = root / f"{args.variant[0][0]}_s{args.seeds[0]}"  # the learning check whose preparation the others reuse
     results: dict[str, list[dict]] = {}
     for seed in args.seeds:  # seed-major: every variant has a figure early
         for name, overrides in args.variant:
             if args.learning_check:
-                first = root / f"{args.variant[0][0]}_s{args.seeds[0]}"
                 r = one_check(name, overrides, seed, data, root, first, log)
             else:
                 r = one_run(name, overrides, seed, data, log)
