@@ -197,7 +197,7 @@ def prepare(config, corpus: Path, train: Path, out: Path, log: Path,
         same = {**theirs, "features_dumped": dump} == stamp and (theirs["features_dumped"] or not dump)
         if same:
             for path in (lang, *([feats] if dump else []), cmvn):  # the CMVN file last: it says the rest is done
-                if not path.exists():
+                if not path.exists() and (reuse / path.name).exists():  # what is missing there is made here
                     linked_copy(reuse / path.name, path)
         else:
             print(f"learning_check: {reuse}'s tokenizer, CMVN and features not reused: " +
