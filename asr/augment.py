@@ -330,11 +330,11 @@ def reverberate(wave: torch.Tensor, rir: torch.Tensor, *, keep_power: bool = Fal
     d = int(rir.abs().argmax())
     size = 1 << (n + k - 2).bit_length()
     full = torch.fft.irfft(torch.fft.rfft(wave.float(), size) * torch.fft.rfft(rir.float(), size), size)
-    out = full[d:d + n]
+    out = full[d:d + n].clone()  # not a view that holds the whole FFT buffer
     if keep_power:
         p_out = out.double().square().mean()
         if p_out > 0:
-            out = out * float(torch.sqrt(wave.double().square().mean() / p_out))
+            out *= float(torch.sqrt(wave.double().square().mean() / p_out))
     return out
 
 
