@@ -71,6 +71,8 @@ def test_tiny_run_writes_json(tmp_path, one_thread, capsys):
     augmented = {f"features + {a} (80 mels)" for a in ("noise", "reverb", "noise + reverb")}
     assert set(rates) == {"waveform", "waveform + sp", "features (80 mels)", "features + sp (80 mels)", *augmented}
     assert all(r > 0 for r in rates.values())
+    assert all(a.noise.prob in (0.0, 1.0) and a.reverb.prob in (0.0, 1.0) and a.on_waves
+               for a in feed_rate.AUGMENTS.values())  # every utterance augmented: the cost per augmented hour
     extra = report["loading"]["augment_core_s_per_audio_hour"]
     assert set(extra) == augmented
     for name in augmented:  # the extra core seconds an hour of audio takes, against the plain features

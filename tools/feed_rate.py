@@ -336,9 +336,9 @@ def measure_loading(args: argparse.Namespace, feature_sets: Sequence[FeatureConf
         else:
             utts, source = synthetic_utterances(Path(tmp), args.files), "synthetic FLAC"
         rates = loader_rates(utts, feature_sets, args.repeats)
-    plain = f"features ({feature_label(feature_sets[0])})"
-    extra = {name: 3600 / rate - 3600 / rates[plain] for name, rate in rates.items()
-             if name in (f"features + {label} ({feature_label(feature_sets[0])})" for label in AUGMENTS)}
+    label = feature_label(feature_sets[0])
+    extra = {name: 3600 / rates[name] - 3600 / rates[f"features ({label})"]
+             for name in (f"features + {a} ({label})" for a in AUGMENTS)}
     return {"source": source, "files": len(utts), "audio_s": sum(u.duration for u in utts), "threads": 1,
             "repeats": args.repeats, "speeds": [1.0, *SPEEDS], "audio_s_per_s": rates,
             "augment_core_s_per_audio_hour": extra}

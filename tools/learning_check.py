@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from asr.checkpoint import load_file  # noqa: E402
 from asr.corpora import speed_perturb  # noqa: E402
+from asr.fileio import atomic_open  # noqa: E402
 from asr.manifest import read_manifest, write_manifest  # noqa: E402
 from asr.train_log import read_records  # noqa: E402
 from asr.train_setup import load_experiment_config  # noqa: E402
@@ -124,7 +125,9 @@ def linked_copy(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copy2(a, b)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.is_dir():
+        shutil.rmtree(tmp)
+    tmp.unlink(missing_ok=True)
     if src.is_dir():
         shutil.copytree(src, tmp, copy_function=link)
     else:
@@ -192,17 +195,7 @@ def prepare(config, corpus: Path, train: Path, out: Path, log: Path,
     stamp = {"corpus": str(corpus.resolve()), "train": train.name, "tokenizer": asdict(t),
              "features": asdict(config.data.features), "features_dumped": dump}
     if reuse is not None and not cmvn.is_file():
-        made = reuse / PREPARED
-        theirs = json.loads(made.read_text()) if made.is_file() else {}
-        same = {**theirs, "features_dumped": dump} == stamp and (theirs["features_dumped"] or not dump)
-        if same:
-            for path in (lang, *([feats] if dump else []), cmvn):  # the CMVN file last: it says the rest is done
-                if not path.exists() and (reuse / path.name).exists():  # what is missing there is made here
-                    linked_copy(reuse / path.name, path)
-        else:
-            print(f"learning_check: {reuse}'s tokenizer, CMVN and features not reused: " +
-                  (f"it has no {PREPARED}" if not theirs else "another corpus, or other tokenizer or feature settings"),
-                  flush=True)
+        link_prepared(reuse, stamp, [lang, *([feats] if dump else []), cmvn])  # the CMVN file last: the rest is done
     if not (lang / "tokenizer.json").is_file():
         size = [] if t.kind == "char" else ["--vocab-size", t.vocab_size]
         run(["asr", "tokenizer", "--manifest", corpus / "train.jsonl", "--kind", t.kind, *size, "--out", lang], log)
@@ -210,10 +203,29 @@ def prepare(config, corpus: Path, train: Path, out: Path, log: Path,
         run(["asr", "cmvn", "--manifest", train, "--n-mels", n_mels, "--out", cmvn,
              *(["--dump-feats", feats] if dump else [])], log)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{PREPARED}.tmp"
-    tmp.write_text(json.dumps(stamp, indent=1) + "\n")
-    os.replace(tmp, out / PREPARED)
+    with atomic_open(out / PREPARED) as f:
+        f.write(json.dumps(stamp, indent=1) + "\n")
     return lang, cmvn, feats if dump else None
+
+
+def link_prepared(reuse: Path, stamp: dict, paths: list[Path]) -> None:
+    """Hard-link `paths` (by name) from the check folder `reuse` when its PREPARED file matches
+    `stamp` (features dumped there too, if they are wanted here); else say in a line why not.
+    What `reuse` lacks is left for the caller to make."""
+    made = reuse / PREPARED
+    theirs = json.loads(made.read_text()) if made.is_file() else None
+    if theirs is None:
+        why = f"it has no {PREPARED}"
+    elif {**theirs, "features_dumped": stamp["features_dumped"]} != stamp:
+        why = "another corpus, or other tokenizer or feature settings"
+    elif stamp["features_dumped"] and not theirs["features_dumped"]:
+        why = "no features dumped there"
+    else:
+        for path in paths:
+            if not path.exists() and (reuse / path.name).exists():
+                linked_copy(reuse / path.name, path)
+        return
+    print(f"learning_check: {reuse}'s tokenizer, CMVN and features not reused: {why}", flush=True)
 
 
 def plateau_steps(records: list[dict], chance: float, below: float) -> dict:
