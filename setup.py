@@ -36,6 +36,8 @@ setup(
         "serve": ["aiohttp>=3.9"],
         # `asr export` and transcription of exported models
         "export": ["onnx>=1.16", "onnxscript>=0.1", "onnxruntime>=1.18"],
+        # tools/simulate_rirs.py: rooms' impulse responses by the image-source method
+        "rir": ["pyroomacoustics>=0.7"],
     },
     entry_points={"console_scripts": ["asr=asr.cli:main"]},
 )

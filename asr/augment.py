@@ -12,8 +12,9 @@ ASRDataset (asr.dataset) applies it in training when `data.augment` turns someth
 - noise: at an SNR drawn uniformly in `snr_db`, from the audio files below `noise.folder` when
   given (MUSAN's layout, or any tree of audio files), else generated: white, pink or brown noise,
   or babble (the sum of `babble_speakers` other utterances of the corpus, chosen by the draw);
-- reverberation: an impulse response from the files below `reverb.folder` (RIRS_NOISES' layout)
-  or simulated (exponentially decaying noise after a direct path, RT60 drawn in `rt60`), applied
+- reverberation: an impulse response from the files below `reverb.folder` (RIRS_NOISES' layout, or
+  shoebox rooms simulated by pyroomacoustics: tools/simulate_rirs.py) or simulated on the fly
+  (exponentially decaying noise after a direct path, RT60 drawn in `rt60`), applied
   by FFT convolution, aligned at the direct path, at the dry signal's power;
 - warp: the log-mel bins resampled so that a tone at f Hz appears at factor x f (vocal-tract
   length perturbation on the mel axis), the factor drawn in `factor` and quantised to `step`;

@@ -253,6 +253,9 @@ def test_choose_on_dev_decodes_apart_from_the_recipes_own_decodes(tmp_path, monk
     assert [result[d] for d in choose_on_dev.DEV_SETS] == [25.0, 25.0, 25.0]
     assert len(decoded) == 3 and stage5 not in decoded and all(d.parent == exp for d in decoded)
     assert json.loads((stage5 / "wer.json").read_text()) == {"wer": 0.5}
+    (data / "dev_near_rev.jsonl").write_text("")  # --extra-dev: decoded beside the three, the rest reused
+    result = choose_on_dev.one_run("base", [], 0, data, tmp_path / "log", (*choose_on_dev.DEV_SETS, "dev_near_rev"))
+    assert result["dev_near_rev"] == 25.0 and decoded[3:] == [exp / "decode_dev_near_rev_open_beam10"]
 
 
 def test_learning_check_trains_from_the_audio_when_noise_or_reverberation_is_on(tmp_path, monkeypatch):

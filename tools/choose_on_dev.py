@@ -63,14 +63,15 @@ def train_seconds(exp: Path) -> float | None:
     return float(found[-1]) if found else None
 
 
-def one_run(name: str, overrides: list[str], seed: int, data: Path, log: Path) -> dict:
+def one_run(name: str, overrides: list[str], seed: int, data: Path, log: Path,
+            dev_sets: tuple[str, ...] = DEV_SETS) -> dict:
     exp = RECIPE / "exp" / f"choice_{name}_s{seed}"
     model = exp / "model_avg.pt"
     if not model.exists():
         run(["bash", "run.sh", "--stage", "3", "--stop-stage", "4", "--name", exp.name, "--data-dir", data,
              f"training.seed={seed}", *overrides], log)
     result = {"exp": str(exp.relative_to(ROOT)), "train_seconds": train_seconds(exp)}
-    for dev in DEV_SETS:
+    for dev in dev_sets:
         manifest = data / f"{dev}.jsonl"
         if not manifest.exists():
             continue
@@ -119,8 +120,14 @@ def main() -> None:
                         "(train.jsonl, dev.jsonl, dev_near.jsonl, dev_synth.jsonl) instead of the synth recipe")
     p.add_argument("--out-root", type=Path, default=ROOT / "exp" / "choose_small",
                    help="with --learning-check: the checks' folders go here (default exp/choose_small)")
+    p.add_argument("--extra-dev", action="append", default=[], metavar="SET",
+                   help="also decode DATA_DIR/SET.jsonl (repeat; e.g. a reverberant copy of dev_near made by "
+                        "tools/simulate_rirs.py); not with --learning-check")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
+    if args.extra_dev and args.learning_check:
+        p.error("--extra-dev is for the synth recipe's data, not --learning-check")
+    dev_sets = DEV_SETS + tuple(d for d in args.extra_dev if d not in DEV_SETS)
     data = (args.learning_check or args.data_dir).resolve()
     if not (data / "train.jsonl").exists():
         sys.exit(f"choose_on_dev: {data}/train.jsonl is missing" + (
@@ -135,16 +142,16 @@ def main() -> None:
             if args.learning_check:
                 r = one_check(name, overrides, seed, data, root, first, log)
             else:
-                r = one_run(name, overrides, seed, data, log)
+                r = one_run(name, overrides, seed, data, log, dev_sets)
             results.setdefault(name, []).append({"seed": seed, **r})
-            print(f"{name} seed {seed}: " + ", ".join(f"{d} {r[d]:.1f}%" for d in DEV_SETS if d in r), flush=True)
-    header = ["variant", *(f"{d} WER %" for d in DEV_SETS), "training s"]
+            print(f"{name} seed {seed}: " + ", ".join(f"{d} {r[d]:.1f}%" for d in dev_sets if d in r), flush=True)
+    header = ["variant", *(f"{d} WER %" for d in dev_sets), "training s"]
     rows = []
     for name, overrides in args.variant:
         runs = results[name]
         times = [r["train_seconds"] for r in runs if r["train_seconds"]]
         rows.append([f"{name} ({' '.join(overrides) or 'as shipped'})",
-                     *(summary([r[d] for r in runs if d in r]) for d in DEV_SETS),
+                     *(summary([r[d] for r in runs if d in r]) for d in dev_sets),
                      f"{statistics.mean(times):.0f}" if times else "-"])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in (header, *rows):
