@@ -49,6 +49,8 @@ def test_shoebox_rooms_decay_longer_for_a_longer_rt60_and_are_reproducible():
     assert drawn_short["dims"] == drawn_long["dims"] and drawn_short["mic"] == drawn_long["mic"]
     assert drawn_short["rt60_measured"] < drawn_long["rt60_measured"]
     assert long.size > short.size
+    with pytest.raises(ValueError, match="RT60 of 0.01 s"):  # too short for any room of the draw
+        simulate_rirs.shoebox_rir(0.01, np.random.default_rng(11))
     again, _ = simulate_rirs.shoebox_rir(0.7, np.random.default_rng(11))
     np.testing.assert_array_equal(long, again)
     # the direct path arrives after distance / speed of sound, plus half pyroomacoustics' fractional-delay filter
@@ -71,7 +73,7 @@ def test_bank_is_the_same_in_any_number_of_processes_and_feeds_training(tmp_path
     assert wet.shape == wave.shape and not torch.allclose(wet, wave)
 
 
-def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path):
+def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path, capsys):
     bank = _bank(tmp_path, "exponential", 3, 1)
     g = torch.Generator().manual_seed(2)
     lines = []
@@ -79,6 +81,8 @@ def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path):
         path = tmp_path / f"u{i}.wav"
         sf.write(path, (0.1 * torch.randn(int(16000 * seconds), generator=g)).numpy(), 16000, subtype="PCM_16")
         lines.append(json.dumps({"id": f"u{i}", "audio": str(path), "duration": seconds, "text": f"WORD {i}"}))
+    (tmp_path / "broken.wav").write_bytes(b"RIFF\x00\x00")
+    lines.append(json.dumps({"id": "broken", "audio": str(tmp_path / "broken.wav"), "duration": 1.0, "text": "X"}))
     manifest = tmp_path / "dev.jsonl"
     manifest.write_text("\n".join(lines) + "\n")
     out = tmp_path / "dev_rev.jsonl"
@@ -88,6 +92,7 @@ def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path):
         simulate_rirs.main()
     finally:
         sys.argv = old
+    assert "simulate_rirs: broken skipped: " in capsys.readouterr().err  # one line naming it; the rest made
     made = [json.loads(line) for line in out.read_text().splitlines()]
     assert [m["id"] for m in made] == ["u0", "u1"] and [m["text"] for m in made] == ["WORD 0", "WORD 1"]
     for index, (m, seconds) in enumerate(zip(made, (0.5, 0.8))):

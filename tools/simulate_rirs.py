@@ -20,7 +20,8 @@ Each response is cut 1 s after its direct path, as the simulated ones are.
 reverberate: each utterance of MANIFEST convolved with a response of RIRS drawn by (seed, its index),
 as training does it (asr.augment.reverberate: aligned at the direct path, at the dry signal's
 power), written as FLAC beside OUT (OUT's name without .jsonl, a folder) and listed in OUT; the
-response used is named in each line's "rir" field. A dev set that separates the room from the voice.
+response used is named in each line's "rir" field; an utterance whose audio or response cannot be
+read is left out, in one line on stderr naming it. A dev set that separates the room from the voice.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asr.audio import SAMPLE_RATE, load_audio  # noqa: E402
+from asr.audio import SAMPLE_RATE, AudioError, load_audio  # noqa: E402
 from asr.augment import derive_seed, reverberate, simulated_rir  # noqa: E402
 from asr.fileio import atomic_open  # noqa: E402
 from asr.manifest import Utterance, read_manifest  # noqa: E402
@@ -47,6 +48,7 @@ from asr.manifest import Utterance, read_manifest  # noqa: E402
 SIMULATORS = ("pyroomacoustics", "exponential")
 _ROOM = ((3.0, 10.0), (3.0, 10.0), (2.5, 4.0))  # metres: length, width, height
 _MARGIN, _MIN_DISTANCE = 0.5, 0.5  # metres from the walls; between source and microphone
+_ATTEMPTS = 100  # rooms drawn for one response before its RT60 is called impossible
 
 
 def shoebox_rir(rt60: float, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
@@ -54,7 +56,7 @@ def shoebox_rir(rt60: float, rng: np.random.Generator) -> tuple[np.ndarray, dict
     whose walls cannot give `rt60` (Sabine's formula out of range) are drawn again."""
     import pyroomacoustics as pra
 
-    while True:
+    for _ in range(_ATTEMPTS):
         dims = np.array([rng.uniform(lo, hi) for lo, hi in _ROOM])
         try:
             absorption, max_order = pra.inverse_sabine(rt60, dims)
@@ -71,6 +73,7 @@ def shoebox_rir(rt60: float, rng: np.random.Generator) -> tuple[np.ndarray, dict
         drawn = {"dims": dims, "source": source, "mic": mic, "distance": np.linalg.norm(source - mic),
                  "rt60_measured": pra.experimental.measure_rt60(rir, fs=SAMPLE_RATE)}
         return rir.astype(np.float32), {k: np.round(v, 3).tolist() for k, v in drawn.items()}
+    raise ValueError(f"no room of {_ROOM} m gives an RT60 of {rt60:g} s by Sabine's formula in {_ATTEMPTS} draws")
 
 
 def one_room(simulator: str, seed: int, index: int, rt60_range: tuple[float, float]) -> tuple[np.ndarray, dict]:
@@ -90,10 +93,8 @@ def _write_room(args: tuple[str, int, int, tuple[float, float], str]) -> dict:
     simulator, seed, index, rt60_range, out = args
     rir, drawn = one_room(simulator, seed, index, rt60_range)
     name = f"room_{index:05d}.wav"
-    path = Path(out) / name
-    tmp = path.with_name(f".{name}.tmp")
-    sf.write(tmp, rir, SAMPLE_RATE, subtype="FLOAT", format="WAV")
-    tmp.replace(path)
+    with atomic_open(Path(out) / name, "wb") as f:
+        sf.write(f, rir, SAMPLE_RATE, subtype="FLOAT", format="WAV")
     return {"file": name, "simulator": simulator, **drawn}
 
 
@@ -125,14 +126,19 @@ def reverberate_manifest(args: argparse.Namespace) -> None:
     lines, used = [], set()
     for index, utt in enumerate(read_manifest(args.manifest)):
         rir_path = rirs[derive_seed(args.seed, index) % len(rirs)]
-        rir = torch.from_numpy(sf.read(rir_path, dtype="float32")[0])
-        wave = load_audio(utt.audio, start=utt.start or 0.0, end=utt.end, speed=utt.speed)
+        try:  # read as training reads them (asr.augment): mono, 16 kHz
+            rir = load_audio(rir_path)
+            wave = load_audio(utt.audio, start=utt.start or 0.0, end=utt.end, speed=utt.speed)
+        except AudioError as e:
+            print(f"simulate_rirs: {utt.id} skipped: {e}", file=sys.stderr)
+            continue
         wet = reverberate(wave, rir, keep_power=True)
         peak = float(wet.abs().max()) if wet.numel() else 0.0
         if peak > 1.0:  # FLAC holds [-1, 1]
             wet = wet / peak
         path = audio_dir / f"{utt.id}.flac"
-        sf.write(path, wet.numpy(), SAMPLE_RATE, format="FLAC")
+        with atomic_open(path, "wb") as f:
+            sf.write(f, wet.numpy(), SAMPLE_RATE, format="FLAC")
         copy = Utterance(utt.id, str(path.resolve()), wet.numel() / SAMPLE_RATE, utt.text, speaker=utt.speaker)
         lines.append(json.dumps({**copy.to_json(), "rir": str(rir_path)}, ensure_ascii=False) + "\n")
         used.add(rir_path)
