@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +180,8 @@ class Augmenter:
                  size: int = 0) -> None:
         self.config, self.seed, self.other, self.size = config, seed, other, size
         noise = config.noise
-        self._noise_files = _audio_files(noise.folder) if noise.folder else ()
-        self._rir_files = _audio_files(config.reverb.folder) if config.reverb.folder else ()
+        self._noise_files = audio_files(noise.folder) if noise.folder else ()
+        self._rir_files = audio_files(config.reverb.folder) if config.reverb.folder else ()
         kinds = noise.kinds if other is not None and size > 1 else tuple(k for k in noise.kinds if k != "babble")
         self._kinds = kinds or ("white",)
 
@@ -252,7 +253,9 @@ class Augmenter:
         return colored_noise(n, draw.noise, g)
 
 
-def _audio_files(folder: str) -> tuple[Path, ...]:
+def audio_files(folder: str | os.PathLike) -> tuple[Path, ...]:
+    """The audio files below `folder` (recursively, sorted): what noise.folder and reverb.folder
+    draw from. ValueError naming the folder when it is not one or holds none."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"{folder}: not a folder (data.augment)")

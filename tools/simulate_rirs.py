@@ -1,6 +1,6 @@
 """Room impulse responses to train and test with, and reverberant copies of a dev set.
 
-    python tools/simulate_rirs.py bank --out exp/rirs/pra_train --count 600 --seed 1
+    python tools/simulate_rirs.py bank --out exp/rirs/pra_train --count 400 --seed 1
     python tools/simulate_rirs.py bank --out exp/rirs/exp_dev --count 200 --seed 2 --simulator exponential
     python tools/simulate_rirs.py reverberate --manifest data/dev_near.jsonl --rirs exp/rirs/exp_dev \\
         --out data/dev_near_rev_exp.jsonl --seed 3
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asr.audio import SAMPLE_RATE, AudioError, load_audio  # noqa: E402
-from asr.augment import derive_seed, reverberate, simulated_rir  # noqa: E402
+from asr.augment import audio_files, derive_seed, reverberate, simulated_rir  # noqa: E402
 from asr.fileio import atomic_open  # noqa: E402
 from asr.manifest import Utterance, read_manifest  # noqa: E402
 
@@ -115,9 +115,10 @@ def bank(args: argparse.Namespace) -> None:
 
 
 def reverberate_manifest(args: argparse.Namespace) -> None:
-    rirs = sorted(p for p in Path(args.rirs).rglob("*.wav") if p.is_file())
-    if not rirs:
-        sys.exit(f"simulate_rirs: {args.rirs}: no .wav impulse responses below it")
+    try:
+        rirs = audio_files(args.rirs)  # the files training would draw from
+    except ValueError as e:
+        sys.exit(f"simulate_rirs: {e}")
     out = Path(args.out)
     if out.suffix != ".jsonl":
         sys.exit(f"simulate_rirs: --out {out}: give a .jsonl manifest path")
