@@ -21,15 +21,14 @@ sys.path.insert(0, str(ROOT / "tools"))  # the tools are scripts beside each oth
 import simulate_rirs  # noqa: E402
 
 
-def _bank(tmp_path: Path, simulator: str, count: int, seed: int) -> Path:
-    out = tmp_path / f"{simulator}_{seed}"
-    sys_argv = ["simulate_rirs.py", "bank", "--out", str(out), "--count", str(count), "--seed", str(seed),
-                "--simulator", simulator, "--jobs", "1"]
-    old, sys.argv = sys.argv, sys_argv
-    try:
-        simulate_rirs.main()
-    finally:
-        sys.argv = old
+def _main(monkeypatch, *args: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["simulate_rirs.py", *args])
+    simulate_rirs.main()
+
+
+def _bank(monkeypatch, out: Path, simulator: str, count: int, seed: int, jobs: int = 1) -> Path:
+    _main(monkeypatch, "bank", "--out", str(out), "--count", str(count), "--seed", str(seed),
+          "--simulator", simulator, "--jobs", str(jobs))
     return out
 
 
@@ -59,22 +58,25 @@ def test_shoebox_rooms_decay_longer_for_a_longer_rt60_and_are_reproducible():
     assert abs(int(np.abs(long).argmax()) - delay) <= 2
 
 
-def test_bank_is_the_same_in_any_number_of_processes_and_feeds_training(tmp_path):
-    bank = _bank(tmp_path, "exponential", 5, 4)
+def test_bank_is_the_same_in_any_number_of_processes_and_feeds_training(tmp_path, monkeypatch):
+    bank = _bank(monkeypatch, tmp_path / "one", "exponential", 5, 4)
+    other = _bank(monkeypatch, tmp_path / "two", "exponential", 5, 4, jobs=2)
     rooms = [json.loads(line) for line in (bank / "rooms.jsonl").read_text().splitlines()]
     assert [r["file"] for r in rooms] == [f"room_{i:05d}.wav" for i in range(5)]
+    assert (other / "rooms.jsonl").read_text() == (bank / "rooms.jsonl").read_text()
     for i, room in enumerate(rooms):
         stored, rate = sf.read(bank / room["file"], dtype="float32")
         assert rate == 16000
         np.testing.assert_array_equal(stored, simulate_rirs.one_room("exponential", 4, i, (0.2, 0.8))[0])
+        np.testing.assert_array_equal(sf.read(other / room["file"], dtype="float32")[0], stored)
     augmenter = Augmenter(AugmentConfig(reverb=ReverbConfig(prob=1.0, folder=str(bank))), seed=0)
     wave = torch.randn(8000, generator=torch.Generator().manual_seed(0))
     wet = augmenter.wave(wave, augmenter.draw(0, 3))
     assert wet.shape == wave.shape and not torch.allclose(wet, wave)
 
 
-def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path, capsys):
-    bank = _bank(tmp_path, "exponential", 3, 1)
+def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path, monkeypatch, capsys):
+    bank = _bank(monkeypatch, tmp_path / "bank", "exponential", 3, 1)
     g = torch.Generator().manual_seed(2)
     lines = []
     for i, seconds in enumerate((0.5, 0.8)):
@@ -86,12 +88,8 @@ def test_reverberated_dev_set_is_made_as_training_reverberates(tmp_path, capsys)
     manifest = tmp_path / "dev.jsonl"
     manifest.write_text("\n".join(lines) + "\n")
     out = tmp_path / "dev_rev.jsonl"
-    old, sys.argv = sys.argv, ["simulate_rirs.py", "reverberate", "--manifest", str(manifest), "--rirs", str(bank),
-                               "--out", str(out), "--seed", "9"]
-    try:
-        simulate_rirs.main()
-    finally:
-        sys.argv = old
+    _main(monkeypatch, "reverberate", "--manifest", str(manifest), "--rirs", str(bank), "--out", str(out),
+          "--seed", "9")
     assert "simulate_rirs: broken skipped: " in capsys.readouterr().err  # one line naming it; the rest made
     made = [json.loads(line) for line in out.read_text().splitlines()]
     assert [m["id"] for m in made] == ["u0", "u1"] and [m["text"] for m in made] == ["WORD 0", "WORD 1"]
