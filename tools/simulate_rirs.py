@@ -19,15 +19,15 @@ Each response is cut 1 s after its direct path, as the simulated ones are.
 
 reverberate: each utterance of MANIFEST convolved with a response of RIRS drawn by (seed, its index),
 as training does it (asr.augment.reverberate: aligned at the direct path, at the dry signal's
-power), written as FLAC beside OUT (OUT's name without .jsonl, a folder) and listed in OUT; the
-response used is named in each line's "rir" field; an utterance whose audio or response cannot be
-read is left out, in one line on stderr naming it. A dev set that separates the room from the voice.
+power; scaled down where it would clip), written as FLAC beside OUT (OUT's name without .jsonl, a
+folder) and listed in OUT; the response used is named in each line's "rir" field; an utterance
+whose audio or response cannot be read is left out, in one line on stderr naming it. A dev set that
+separates the room from the voice.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from asr.audio import SAMPLE_RATE, AudioError, load_audio  # noqa: E402
 from asr.augment import audio_files, derive_seed, reverberate, simulated_rir  # noqa: E402
 from asr.fileio import atomic_open  # noqa: E402
-from asr.manifest import Utterance, read_manifest  # noqa: E402
+from asr.manifest import ManifestError, Utterance, read_manifest  # noqa: E402
 
 SIMULATORS = ("pyroomacoustics", "exponential")
 _ROOM = ((3.0, 10.0), (3.0, 10.0), (2.5, 4.0))  # metres: length, width, height
@@ -124,8 +124,12 @@ def reverberate_manifest(args: argparse.Namespace) -> None:
         sys.exit(f"simulate_rirs: --out {out}: give a .jsonl manifest path")
     audio_dir = out.with_suffix("")
     audio_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        utts = read_manifest(args.manifest)
+    except ManifestError as e:
+        sys.exit(f"simulate_rirs: {e}")
     lines, used = [], set()
-    for index, utt in enumerate(read_manifest(args.manifest)):
+    for index, utt in enumerate(utts):
         rir_path = rirs[derive_seed(args.seed, index) % len(rirs)]
         try:  # read as training reads them (asr.augment): mono, 16 kHz
             rir = load_audio(rir_path)
@@ -154,7 +158,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bank", help="simulate impulse responses into a folder")
     b.add_argument("--out", required=True)
-    b.add_argument("--count", type=int, default=600)
+    b.add_argument("--count", type=int, default=400)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--simulator", choices=SIMULATORS, default="pyroomacoustics")
     b.add_argument("--rt60", type=float, nargs=2, default=(0.2, 0.8), metavar=("LO", "HI"),
@@ -167,7 +171,7 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.command == "bank":
-        if args.count < 1 or not 0 < args.rt60[0] <= args.rt60[1] or math.isnan(args.rt60[1]):
+        if args.count < 1 or not 0 < args.rt60[0] <= args.rt60[1]:
             sys.exit("simulate_rirs: --count must be >= 1 and --rt60 LO HI with 0 < LO <= HI")
         bank(args)
     else:
