@@ -9,7 +9,7 @@ bank: COUNT impulse responses as 16 kHz float WAV files in OUT (room_00000.wav, 
 audio files is what `data.augment.reverb.folder` reads) and OUT/rooms.jsonl, one line per room: what
 was drawn, and for pyroomacoustics the RT60 measured on the response. Room i is a function of
 (seed, i) alone, so a bank is made again identically, in any number of processes.
-- pyroomacoustics (`pip install pyroomacoustics`; the default): a shoebox room by the image-source
+- pyroomacoustics (`pip install -e '.[rir]'`; the default): a shoebox room by the image-source
   method, its walls' absorption set by Sabine's formula for an RT60 drawn in --rt60; length and
   width drawn in 3-10 m, height in 2.5-4 m, source and microphone anywhere 0.5 m from the walls, at
   least 0.5 m apart (so the direct-to-reverberant ratio varies with their distance);
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asr.audio import SAMPLE_RATE, AudioError, load_audio  # noqa: E402
-from asr.augment import audio_files, derive_seed, reverberate, simulated_rir  # noqa: E402
+from asr.augment import ReverbConfig, audio_files, derive_seed, reverberate, simulated_rir  # noqa: E402
 from asr.fileio import atomic_open  # noqa: E402
 from asr.manifest import ManifestError, Utterance, read_manifest  # noqa: E402
 
@@ -128,11 +128,13 @@ def reverberate_manifest(args: argparse.Namespace) -> None:
         utts = read_manifest(args.manifest)
     except ManifestError as e:
         sys.exit(f"simulate_rirs: {e}")
-    lines, used = [], set()
+    lines, used, loaded = [], set(), {}
     for index, utt in enumerate(utts):
         rir_path = rirs[derive_seed(args.seed, index) % len(rirs)]
-        try:  # read as training reads them (asr.augment): mono, 16 kHz
-            rir = load_audio(rir_path)
+        try:  # read as training reads them (asr.augment): mono, 16 kHz; each response once
+            if rir_path not in loaded:
+                loaded[rir_path] = load_audio(rir_path)
+            rir = loaded[rir_path]
             wave = load_audio(utt.audio, start=utt.start or 0.0, end=utt.end, speed=utt.speed)
         except AudioError as e:
             print(f"simulate_rirs: {utt.id} skipped: {e}", file=sys.stderr)
@@ -161,7 +163,7 @@ def main() -> None:
     b.add_argument("--count", type=int, default=400)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--simulator", choices=SIMULATORS, default="pyroomacoustics")
-    b.add_argument("--rt60", type=float, nargs=2, default=(0.2, 0.8), metavar=("LO", "HI"),
+    b.add_argument("--rt60", type=float, nargs=2, default=ReverbConfig().rt60, metavar=("LO", "HI"),
                    help="seconds, drawn uniformly (data.augment.reverb.rt60's default)")
     b.add_argument("--jobs", type=int, default=2)
     r = sub.add_parser("reverberate", help="a reverberant copy of a manifest")
