@@ -50,14 +50,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import math
 import os
 import signal
 import tempfile
 import time
-import unicodedata
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -70,6 +68,22 @@ import torch
 from asr.api import Recognizer, Result
 from asr.audio import SAMPLE_RATE, AudioError, audio_info, iter_blocks
 from asr.formats import result_dict
+from asr.serve_guard import (
+    BACKLOG,
+    GRACE_S,
+    KNOWN_CONTAINERS,
+    SNIFF_BYTES,
+    Connections,
+    Gate,
+    UploadError,
+    clean_name,
+    connection_cap,
+    dumps,
+    error_response,
+    one_line,
+    raise_fd_limit,
+    sniff_audio,
+)
 from asr.serve_stream import StreamHub
 
 __all__ = ["ServeOptions", "Server", "UploadError", "run", "sniff_audio", "clean_name"]
@@ -78,14 +92,9 @@ log = logging.getLogger(__name__)
 WEB = Path(__file__).resolve().parent / "web"
 PAGES = {"/": ("index.html", "text/html"), "/recorder.js": ("recorder.js", "text/javascript"),
          "/live.js": ("live.js", "text/javascript")}
-LOOPBACK = ("localhost", "127.0.0.1", "::1")
-WILDCARD = ("", "0.0.0.0", "::")
-BACKLOG = 128  # connections the kernel queues before they are accepted
 CHUNK = 64 * 1024  # bytes read from an upload at a time
 FORM_SLACK = 64 * 1024  # bytes of a form beyond its file (boundaries, part headers, small fields)
 PROGRESS_BYTES = 64 * 1024  # an upload that does not send this much in give_way_s gives way when the server is full
-NAME_CHARS = 100  # the longest upload name shown in a message or a log line
-GRACE_S = 1.0  # a connection is not closed to make room for another in its first second (_Connections)
 
 
 @dataclass(frozen=True)
@@ -158,250 +167,6 @@ class ServeOptions:
         return {k: v for k, v in asdict(self).items() if k not in ("allowed_hosts", "allow_origins")}
 
 
-class UploadError(Exception):
-    """A request the server refuses: its HTTP status and one line saying why."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
-
-
-# ---------------------------------------------------------------------------------------------
-# what a client sends, made safe: names, containers
-
-
-def clean_name(raw: str | None) -> str:
-    """A client's file name as the server shows it, in messages and log lines: its last path
-    component, without control or format characters (newlines, NUL, bidi overrides) or lone
-    surrogates, at most NAME_CHARS characters; "upload" when nothing is left. The server never
-    opens or creates a file by this name."""
-    if not raw:
-        return "upload"
-    text = _one_line(raw.replace("\\", "/").rsplit("/", 1)[-1], limit=len(raw))
-    if len(text) > NAME_CHARS:
-        text = text[: NAME_CHARS - 21] + "…" + text[-20:]
-    return text or "upload"
-
-
-def _one_line(text: Any, limit: int = 160) -> str:
-    """Any text (an exception's, a header's) as one printable line of at most `limit` characters:
-    bytes that were not UTF-8 as U+FFFD, control and format characters as spaces, runs of spaces
-    as one."""
-    text = str(text)
-    try:  # undecodable bytes, as Python keeps them (surrogateescape)
-        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    except UnicodeEncodeError:  # other lone surrogates
-        text = text.encode("utf-8", "replace").decode("utf-8")
-    text = " ".join("".join(" " if unicodedata.category(c).startswith("C") else c for c in text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def sniff_audio(head: bytes) -> str | None:
-    """The suffix of the audio container whose file begins with `head` (at least 16 bytes of it,
-    unless the file is shorter): ".wav" (RIFF/RIFX/RF64 WAVE), ".w64", ".flac", ".ogg" (Vorbis,
-    Opus, FLAC in Ogg), ".mp3" (an ID3 tag or an MPEG audio frame), ".aiff", ".au", ".caf",
-    ".nist", ".voc"; None for anything else. libsndfile reads all of these by their content."""
-    if head[:4] in (b"RIFF", b"RIFX", b"RF64", b"BW64") and head[8:12] == b"WAVE":
-        return ".wav"
-    if head[:16] == b"riff\x2e\x91\xcf\x11\xa5\xd6\x28\xdb\x04\xc1\x00\x00":
-        return ".w64"
-    if head[:4] == b"fLaC":
-        return ".flac"
-    if head[:4] == b"OggS":
-        return ".ogg"
-    if head[:3] == b"ID3" or (len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06):
-        return ".mp3"  # an MPEG frame: 11 sync bits and a layer (0 would be AAC's ADTS)
-    if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
-        return ".aiff"
-    if head[:4] in (b".snd", b"dns."):
-        return ".au"
-    if head[:4] == b"caff":
-        return ".caf"
-    if head[:7] == b"NIST_1A":
-        return ".nist"
-    if head[:16] == b"Creative Voice F":
-        return ".voc"
-    return None
-
-
-SNIFF_BYTES = 16
-KNOWN_CONTAINERS = "WAV, W64, FLAC, OGG, MP3, AIFF, AU, CAF, NIST, VOC"
-
-
-# ---------------------------------------------------------------------------------------------
-# who may call: the Host and the Origin
-
-
-class _Gate:
-    """The Host and Origin checks of every request (see the module's docstring)."""
-
-    def __init__(self, bound_host: str, options: ServeOptions) -> None:
-        self.any_host = "*" in options.allowed_hosts
-        self.hosts = {*LOOPBACK, *options.allowed_hosts}
-        self.wildcard = bound_host.strip("[]") in WILDCARD
-        if not self.wildcard:
-            self.hosts.add(bound_host.strip("[]").lower())
-        self.any_origin = "*" in options.allow_origins
-        self.origins = set(options.allow_origins)
-
-    def check(self, request: Any) -> str | None:
-        """None, or the origin of another site this server lets call it (for the CORS header).
-        Raises UploadError 421 for a Host that names another server, 403 for another site's page."""
-        host = request.headers.get("Host")
-        if host is not None and not self._host_allowed(host):
-            raise UploadError(421, f"this server does not answer to the host {_one_line(host, 80)!r} (start it with "
-                              "--allowed-host NAME to answer to NAME)")
-        origin = request.headers.get("Origin")
-        if origin is not None:
-            origin = origin.strip().lower().rstrip("/")
-            if host is not None and origin.split("://", 1)[-1] == host.strip().lower():
-                return None  # the same origin: the server's own page
-            if self.any_origin or origin in self.origins:
-                return origin
-            raise UploadError(403, f"a request from the web page of {_one_line(origin, 80)!r}, another site, is "
-                              "refused (start the server with --allow-origin ORIGIN to allow one)")
-        site = request.headers.get("Sec-Fetch-Site", "").lower()
-        navigation = request.method == "GET" and request.headers.get("Sec-Fetch-Mode", "").lower() == "navigate"
-        if site in ("cross-site", "same-site") and not navigation and not self.any_origin:
-            raise UploadError(403, f"a {site} request from another site's page is refused (start the server with "
-                              "--allow-origin ORIGIN to allow one)")
-        return None
-
-    def _host_allowed(self, header: str) -> bool:
-        value = header.strip().lower()
-        if value.startswith("["):  # [v6]:port
-            name = value[1:value.find("]")] if "]" in value else value
-        else:
-            name = value.rsplit(":", 1)[0] if value.count(":") == 1 else value
-        name = name.rstrip(".")
-        if self.any_host or name in self.hosts or name.endswith(".localhost"):
-            return True
-        if self.wildcard:  # any address of this machine; DNS rebinding needs a name
-            with contextlib.suppress(ValueError):
-                ipaddress.ip_address(name)
-                return True
-        return False
-
-
-# ---------------------------------------------------------------------------------------------
-# open connections under a cap
-
-
-class _Connections:
-    """The protocol factory of the listening socket: aiohttp's (web.Server) with a cap on open
-    connections. Past the cap, a new connection closes the oldest open one that is not inside a
-    request (waiting for its first request or between keep-alive requests, or still sending its
-    headers) and is past its grace time (GRACE_S, or half the idle timeout if shorter: time for a
-    client to send its request, even in a flood of connections); when there is none, the new one
-    is answered 503 and closed. `busy` holds the connections inside a request (Server's middleware
-    keeps it)."""
-
-    def __init__(self, cap: int, grace: float, settings: dict[str, Any]) -> None:
-        self.cap, self.grace, self.settings = cap, grace, settings  # settings: of each connection's handler
-        self.open: dict[Any, None] = {}  # the handlers of the open connections, oldest first
-        self.busy: set[Any] = set()
-        self.server: Any = None  # aiohttp's web.Server, once the runner is set up
-        self.evicted = self.refused = 0
-        self._handler = _handler_class()
-
-    def __call__(self) -> asyncio.Protocol:
-        now = asyncio.get_running_loop().time()
-        if len(self.open) >= self.cap:
-            victim = None
-            for handler in self.open:  # oldest first
-                if now - handler.asr_since < self.grace:
-                    break  # this one and all after it are in their grace time: none is closed for another
-                if handler not in self.busy:
-                    victim = handler
-                    break
-            if victim is None:
-                self.refused += 1
-                return _Refusal()
-            del self.open[victim]
-            victim.evict()
-            self.evicted += 1
-        handler = self._handler(self, self.server, loop=asyncio.get_running_loop(), **self.settings)
-        handler.asr_since = now
-        self.open[handler] = None
-        return handler
-
-
-def _handler_class() -> type:
-    from aiohttp import web
-
-    class _Handler(web.RequestHandler):
-        """aiohttp's handler of one connection, which leaves `connections.open` when the connection
-        closes, and whose answers to requests it cannot parse (a bad request line or header) are
-        one-line JSON errors like the server's own."""
-
-        def __init__(self, connections: _Connections, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.asr_connections, self.asr_evicted, self.asr_since = connections, False, 0.0
-
-        def evict(self) -> None:
-            """Close the connection, now or (accepted in the same round, not connected yet) when it connects."""
-            if self.transport is not None:
-                self.force_close()
-            self.asr_evicted = True
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)
-            if self.asr_evicted:
-                self.force_close()
-
-        def connection_lost(self, exc: BaseException | None) -> None:
-            self.asr_connections.open.pop(self, None)
-            super().connection_lost(exc)
-
-        def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                         message: str | None = None) -> Any:
-            if status >= 500:
-                return super().handle_error(request, status, exc, message)
-            self.logger.debug("bad request from %s: %s", request.remote, exc)
-            if request.writer.output_size > 0:
-                raise ConnectionError("the answer has begun: no error can be sent")
-            reason = getattr(exc, "message", None) or message or exc or "bad request"
-            response = _error(status, f"malformed HTTP request ({_one_line(reason, 100)})")
-            response.force_close()
-            return response
-
-    return _Handler
-
-
-class _Refusal(asyncio.Protocol):
-    """A connection past the cap when no open one may be closed for it (each is inside a request or
-    in its grace time): one 503, then closed."""
-
-    BODY = b'{"error": "busy: too many open connections; retry in 1 s"}\n'
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-                        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                        % (len(self.BODY), self.BODY))
-        transport.close()
-
-
-def _raise_fd_limit() -> int:
-    """Raise the soft limit on open files to the hard one; returns the soft limit now (a large
-    number where there is none, e.g. Windows)."""
-    try:
-        import resource
-    except ImportError:
-        return 1 << 20
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-    return soft if soft != resource.RLIM_INFINITY else 1 << 20
-
-
-def connection_cap(wanted: int, fd_limit: int) -> int:
-    """Open connections allowed under `fd_limit` file descriptors: one each, and a reserve for
-    the connections being accepted (BACKLOG), the temporary files, the model's files and threads."""
-    reserve = min(2 * BACKLOG, fd_limit // 4)
-    return max(1, min(wanted, fd_limit - reserve))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,9 +221,9 @@ class Server:
         self.queue: asyncio.Queue[_Job] | None = None  # made in the loop that serves
         self._worker_task: asyncio.Task | None = None  # the decoding worker, in that loop
         self.stats = {"requests": 0, "batches": 0, "largest_batch": 0, "left": 0, "skipped": 0, "gave_way": 0}
-        self.gate = _Gate(host, self.options)
+        self.gate = Gate(host, self.options)
         grace = min(GRACE_S, self.options.idle_timeout_s / 2)
-        self.connections = _Connections(self.options.max_connections, grace, {
+        self.connections = Connections(self.options.max_connections, grace, {
             "keepalive_timeout": self.options.idle_timeout_s,  # armed at connect: closes a slow header too
             "lingering_time": min(5.0, self.options.read_timeout_s),  # reading the body of a refused upload
             "max_headers": 64, "access_log": log})
@@ -519,18 +284,18 @@ class Server:
                 response = await handler(request)
             except UploadError as e:
                 log.info("refused %s: %s", request.remote, e)
-                response = _error(e.status, str(e), e.headers)
+                response = error_response(e.status, str(e), e.headers)
             except web.HTTPException as e:
                 if e.status < 400:
                     raise
-                response = _error(e.status, f"{request.method} {_one_line(request.path, 80)}: {e.reason}")
+                response = error_response(e.status, f"{request.method} {one_line(request.path, 80)}: {e.reason}")
             except asyncio.CancelledError:
                 raise
             except ConnectionError:  # the client left: the answer is never delivered
-                response = _error(499, "the client closed the connection")
+                response = error_response(499, "the client closed the connection")
             except Exception:  # a bug of ours: logged with its traceback, answered in one line
-                log.exception("%s %s failed", request.method, _one_line(request.path, 80))
-                response = _error(500, "internal server error (logged)")
+                log.exception("%s %s failed", request.method, one_line(request.path, 80))
+                response = error_response(500, "internal server error (logged)")
             finally:
                 self.connections.busy.discard(protocol)
             if origin is not None and not response.prepared:  # (a WebSocket's headers are sent)
@@ -549,9 +314,9 @@ class Server:
             self._admit(request)
         except UploadError as e:
             log.info("refused %s: %s", request.remote, e)
-            return _error(e.status, str(e), {**e.headers, "Connection": "close"})
+            return error_response(e.status, str(e), {**e.headers, "Connection": "close"})
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return _error(417, f"unknown Expect: {_one_line(request.headers['Expect'], 40)}")
+            return error_response(417, f"unknown Expect: {one_line(request.headers['Expect'], 40)}")
         if request.version >= HttpVersion11:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0
@@ -602,13 +367,13 @@ class Server:
             self.stats["gave_way" if slot is not None and slot.evicted else "left"] += 1
             if isinstance(e, asyncio.CancelledError):  # aiohttp cancels the handler of a closed connection
                 raise
-            return _error(499, "the client closed the connection")  # never delivered
+            return error_response(499, "the client closed the connection")  # never delivered
         if result.error is not None:
-            return _error(415, f"{slot.name}: {_one_line(result.error)}")
+            return error_response(415, f"{slot.name}: {one_line(result.error)}")
         body = result_dict(result)
         del body["path"], body["error"]
         body.update(name=slot.name, words=[w for s in body["segments"] for w in s.get("words", [])])
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body, dumps=dumps)
 
     def _admit(self, request: Any) -> None:
         """The checks made before any byte of the body is read: room in the queue, the declared
@@ -693,7 +458,7 @@ class Server:
                 await self._save(request, slot, request.content.readany, deadline)
         except (ValueError, LookupError, AssertionError, RuntimeError, HttpProcessingError) as e:  # aiohttp's parsers
             kind = "multipart/form-data body" if form else "request body"
-            raise UploadError(400, f"malformed {kind} ({_one_line(e, 100)})") from None
+            raise UploadError(400, f"malformed {kind} ({one_line(e, 100)})") from None
 
     async def _receive_form(self, request: Any, slot: _Slot, deadline: float) -> None:
         """The first "file" field of a multipart form, read to its closing boundary: the other
@@ -772,9 +537,9 @@ class Server:
                                   f"{self.options.max_seconds:g} s")
             blocks = list(iter_blocks(slot.path))
         except AudioError as e:
-            raise UploadError(415, f"{name}: {_one_line(e.reason)}") from None
+            raise UploadError(415, f"{name}: {one_line(e.reason)}") from None
         except (TypeError, ValueError, RuntimeError, OSError, EOFError) as e:  # soundfile's own, past audio.py's
-            raise UploadError(415, f"{name}: cannot be read as audio ({_one_line(e, 100)})") from None
+            raise UploadError(415, f"{name}: cannot be read as audio ({one_line(e, 100)})") from None
         return torch.cat(blocks) if blocks else torch.zeros(0)
 
     # -- the decoding worker ------------------------------------------------------------------
@@ -805,7 +570,7 @@ class Server:
             log.exception("decoding failed")
             for job in jobs:
                 if not job.future.done():
-                    job.future.set_exception(UploadError(500, f"{job.name}: decoding failed ({_one_line(e)})"))
+                    job.future.set_exception(UploadError(500, f"{job.name}: decoding failed ({one_line(e)})"))
             return
         finally:
             self._queued_audio = max(0.0, self._queued_audio - sum(job.seconds for job in jobs))
@@ -835,18 +600,6 @@ def _check_present(request: Any) -> None:
         raise ConnectionResetError("the client left")
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
-    from aiohttp import web
-
-    return web.json_response({"error": message}, status=status, headers=headers, dumps=_dumps)
-
-
-def _dumps(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, ensure_ascii=False)
-
-
 def run(recognizer: Recognizer, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None,
         *, announce: Any = print) -> None:
     """Serve until interrupted (Ctrl-C) or told to stop (SIGTERM: the requests being decoded are
@@ -859,7 +612,7 @@ def run(recognizer: Recognizer, host: str = "127.0.0.1", port: int = 8000, optio
     options = options or ServeOptions()
     for category in (BadContentDispositionHeader, BadContentDispositionParam):  # a client's text on stderr
         warnings.filterwarnings("ignore", category=category)
-    fd_limit = _raise_fd_limit()
+    fd_limit = raise_fd_limit()
     cap = connection_cap(options.max_connections, fd_limit)
     if cap < options.max_connections:
         log.info("asr serve: at most %d open connections (%d files may be open)", cap, fd_limit)

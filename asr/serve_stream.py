@@ -35,7 +35,7 @@ The server sends text messages, JSON objects:
     1001 when the server shuts down. A message larger than max_message_kb is closed by aiohttp
     with 1009 and no message.
 
-Before the upgrade the request passes the server's Host and Origin checks (asr.serve._Gate):
+Before the upgrade the request passes the server's Host and Origin checks (asr.serve_guard.Gate):
 WebSockets are not covered by CORS, so a page of another site (Origin) is refused (403) unless
 --allow-origin names it, and a Host that does not name this server (DNS rebinding) gets 421.
 The socket has a heartbeat (a ping after heartbeat_s without data; closed when no pong comes in
