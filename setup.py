@@ -38,6 +38,8 @@ setup(
         "export": ["onnx>=1.16", "onnxscript>=0.1", "onnxruntime>=1.18"],
         # tools/simulate_rirs.py: rooms' impulse responses by the image-source method
         "rir": ["pyroomacoustics>=0.7"],
+        # recipes/synth/local/human.py: Asterisk's G.722 prompts decoded by FFmpeg through PyAV
+        "human": ["av>=12"],
     },
     entry_points={"console_scripts": ["asr=asr.cli:main"]},
 )

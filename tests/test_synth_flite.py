@@ -189,11 +189,12 @@ def test_flite_voices_speak_a_line_into_a_16khz_flac(tmp_path):
 
 
 def check_args(data: Path, **given):
-    """learning_check's arguments for make_data: the corpus folder, no other synthesizer but those given."""
+    """learning_check's arguments for make_data: the corpus folder, no other synthesizer (nor human
+    speech) but those given."""
     import argparse
 
     import learning_check
-    args = {"data": str(data), "jobs": 1}
+    args = {"data": str(data), "jobs": 1, "human": 0}
     for name in learning_check.ENGINES:
         args.update({name: 0.0, f"{name}_pitch": None, f"{name}_add": False})
     return argparse.Namespace(**{**args, **given})

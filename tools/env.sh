@@ -29,7 +29,7 @@ else
     "$_py" -c "import torch, torchaudio" 2>/dev/null && _site=--system-site-packages
     [ -x "$_venv/bin/python" ] || "$_py" -m venv $_site "$_venv" || return 1 2>/dev/null || exit 1
     "$_venv/bin/python" -m pip install -q --upgrade pip >&2 &&
-    "$_venv/bin/python" -m pip install -q -e "$_root[dev,synth,serve,export,rir]" >&2 &&
+    "$_venv/bin/python" -m pip install -q -e "$_root[dev,synth,serve,export,rir,human]" >&2 &&
     echo "$_want" > "$_stamp" || { echo "error: installing the project into $_venv failed" >&2; return 1 2>/dev/null || exit 1; }
   fi
   . "$_venv/bin/activate"

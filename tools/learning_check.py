@@ -19,7 +19,8 @@ OUT/learning_check.json.
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
    lines and adds the Flite ones); with --mbrola F and --pico F, and their -pitch and -add, the
-   same by MBROLA's and SVOX Pico's voices (recipes/synth/local/mbrola.py, pico.py), after Flite's.
+   same by MBROLA's and SVOX Pico's voices (recipes/synth/local/mbrola.py, pico.py), after Flite's;
+   with --human K, Asterisk's English prompts, read by a person, added K times (local/human.py), last.
    With --data, that folder's train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl
    when it has them; with --data and any of them, a hard-linked copy of the folder in OUT/data is
    given the new lines (the folder itself is left as it is). Made once.
@@ -68,6 +69,7 @@ FESTIVAL = ROOT / "recipes" / "synth" / "local" / "festival.py"
 FLITE = ROOT / "recipes" / "synth" / "local" / "flite.py"
 MBROLA = ROOT / "recipes" / "synth" / "local" / "mbrola.py"
 PICO = ROOT / "recipes" / "synth" / "local" / "pico.py"
+HUMAN = ROOT / "recipes" / "synth" / "local" / "human.py"
 # the other synthesizers, each option --NAME F [--NAME-pitch LO HI] [--NAME-add], run in this order
 ENGINES = {"flite": (FLITE, "Flite's voices"), "mbrola": (MBROLA, "MBROLA's voices"),
            "pico": (PICO, "SVOX Pico's voices")}
@@ -93,7 +95,7 @@ def make_data(args: argparse.Namespace, data: Path, log: Path) -> Path:
         for name in ("train.jsonl", "dev.jsonl"):
             if not (folder / name).is_file():
                 sys.exit(f"learning_check: {folder / name}: no such manifest")
-        if not any(getattr(args, name) for name in ENGINES):
+        if not any(getattr(args, name) for name in ENGINES) and not args.human:
             return folder
         if not (data / "train.jsonl").is_file():  # they rewrite train.jsonl: a copy, not the given folder
             linked_copy(folder, data)
@@ -140,12 +142,15 @@ def linked_copy(src: Path, dst: Path) -> None:
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     """--flite F: that fraction of the training lines spoken again by Flite (kept when made before),
     with --flite-pitch LO HI at a pitch drawn per line, with --flite-add beside the eSpeak lines;
-    then --mbrola F and --pico F (and their -pitch, -add) by MBROLA's and Pico's voices."""
+    then --mbrola F and --pico F (and their -pitch, -add) by MBROLA's and Pico's voices; last,
+    --human K: Asterisk's human prompts added K times."""
     for name, (script, _) in ENGINES.items():
         fraction, pitch, add = (getattr(args, name + k) for k in ("", "_pitch", "_add"))
         if fraction:
             run([sys.executable, script, "train", "--data", data, "--fraction", fraction,
                  *(["--pitch", *pitch] if pitch else []), *(["--add"] if add else []), "--jobs", args.jobs], log)
+    if args.human:
+        run([sys.executable, HUMAN, "train", "--data", data, "--copies", args.human], log)
     return data
 
 
@@ -263,6 +268,10 @@ def main() -> None:
         p.add_argument(f"--{name}-add", action="store_true",
                        help=f"with --{name}: those lines added beside the others, which all stay "
                             f"({script.name} train --add)")
+    p.add_argument("--human", type=int, default=0, metavar="K",
+                   help="Asterisk's English prompts (one human speaker, ~26 min) added K times to the training "
+                        "lines, after the other engines' (recipes/synth/local/human.py); with --data, in a "
+                        "hard-linked copy of that folder")
     p.add_argument("--prepared-from", type=Path, metavar="DIR",
                    help="another check's folder (--out) whose tokenizer, CMVN statistics and dumped features "
                         "to hard-link, when its prepared.json says the same corpus and settings made them")
