@@ -221,7 +221,7 @@ class Server:
         self.queue: asyncio.Queue[_Job] | None = None  # made in the loop that serves
         self._worker_task: asyncio.Task | None = None  # the decoding worker, in that loop
         self.stats = {"requests": 0, "batches": 0, "largest_batch": 0, "left": 0, "skipped": 0, "gave_way": 0}
-        self.gate = Gate(host, self.options)
+        self.gate = Gate(host, self.options.allowed_hosts, self.options.allow_origins)
         grace = min(GRACE_S, self.options.idle_timeout_s / 2)
         self.connections = Connections(self.options.max_connections, grace, {
             "keepalive_timeout": self.options.idle_timeout_s,  # armed at connect: closes a slow header too

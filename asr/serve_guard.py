@@ -8,10 +8,7 @@ import asyncio
 import contextlib
 import ipaddress
 import unicodedata
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from asr.serve import ServeOptions
+from typing import Any
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("", "0.0.0.0", "::")
@@ -95,16 +92,17 @@ KNOWN_CONTAINERS = "WAV, W64, FLAC, OGG, MP3, AIFF, AU, CAF, NIST, VOC"
 
 
 class Gate:
-    """The Host and Origin checks of every request (see the module's docstring)."""
+    """The Host and Origin checks of every request (asr.serve's docstring says what they let in)."""
 
-    def __init__(self, bound_host: str, options: ServeOptions) -> None:
-        self.any_host = "*" in options.allowed_hosts
-        self.hosts = {*LOOPBACK, *options.allowed_hosts}
+    def __init__(self, bound_host: str, allowed_hosts: tuple[str, ...], allow_origins: tuple[str, ...]) -> None:
+        """allowed_hosts and allow_origins: ServeOptions'."""
+        self.any_host = "*" in allowed_hosts
+        self.hosts = {*LOOPBACK, *allowed_hosts}
         self.wildcard = bound_host.strip("[]") in WILDCARD
         if not self.wildcard:
             self.hosts.add(bound_host.strip("[]").lower())
-        self.any_origin = "*" in options.allow_origins
-        self.origins = set(options.allow_origins)
+        self.any_origin = "*" in allow_origins
+        self.origins = set(allow_origins)
 
     def check(self, request: Any) -> str | None:
         """None, or the origin of another site this server lets call it (for the CORS header).
