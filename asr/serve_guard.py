@@ -264,7 +264,12 @@ def connection_cap(wanted: int, fd_limit: int) -> int:
     return max(1, min(wanted, fd_limit - reserve))
 
 
+# ---------------------------------------------------------------------------------------------
+# refusals as the server answers them
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
+    """{"error": message} as JSON with `status` (every refusal of the server and of its connections)."""
     from aiohttp import web
 
     return web.json_response({"error": message}, status=status, headers=headers, dumps=dumps)

@@ -83,7 +83,7 @@ def read_g722(path: Path) -> np.ndarray:
     try:
         with av.open(str(path), format="g722") as container:
             frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
-    except (av.FFmpegError, OSError) as e:
+    except (av.error.FFmpegError, OSError) as e:
         raise FliteError(f"{path}: cannot be read as G.722 ({e})") from None
     if not frames:
         raise FliteError(f"{path}: no audio")
