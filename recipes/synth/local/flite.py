@@ -239,6 +239,18 @@ def _render(data: Path, folder: Path, u: Utt) -> int:
     return frames
 
 
+def manifest_lines(manifest: Path) -> list[dict]:
+    """The JSON lines of a manifest (blank lines skipped), or a FliteError naming the bad line."""
+    lines = []
+    for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                lines.append(json.loads(line))
+            except ValueError as e:
+                raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
+    return lines
+
+
 def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None = None, jobs: int = 1,
                    pitch: tuple[float, float] | None = None, add: bool = False, engine: Engine = FLITE) -> list[Utt]:
     """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl, or with `add`
@@ -246,15 +258,8 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
     lines: another engine's lines stay as they are, and this engine's earlier added ones are made
     again from the plan."""
     manifest = data / "train.jsonl"
-    lines = []
-    for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            lines.append(json.loads(line))
-        except ValueError as e:
-            raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
-    lines = [x for x in lines if added_by(x) != engine.name]  # an earlier --add's: made again from the plan
+    # an earlier --add's lines are made again from the plan
+    lines = [x for x in manifest_lines(manifest) if added_by(x) != engine.name]
     card_path = data / "corpus.json"
     card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     if seed is None:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from flite import FliteError, fetch_by  # this script's folder
+from flite import FliteError, fetch_by, manifest_lines  # this script's folder
 from synthesize import (
     EDGE_SILENCE,
     NOISE_SNR_DB,
@@ -93,14 +93,7 @@ def read_g722(path: Path) -> np.ndarray:
 def add_to_train(data: Path, copies: int, folder: Path, seed: int | None = None) -> int:
     """Append the prompts `copies` times to DATA/train.jsonl (module docstring); the lines added."""
     manifest = data / "train.jsonl"
-    rows = []
-    for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError as e:
-                raise FliteError(f"{manifest}:{n}: not a JSON line ({e})") from None
-    rows = [x for x in rows if not (x["id"].startswith(PREFIX) and x.get("speaker") == SPEAKER)]
+    rows = [x for x in manifest_lines(manifest) if not (x["id"].startswith(PREFIX) and x.get("speaker") == SPEAKER)]
     card_path = data / "corpus.json"
     card = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     if seed is None:
