@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "synth" / "local"))  # the recipe's helpers are scripts
 sys.path.insert(0, str(ROOT / "tools"))
 
+import flite  # noqa: E402
 import human  # noqa: E402
 import learning_check  # noqa: E402
-from test_synth_flite import check_args, corpus  # noqa: E402
+from test_synth_flite import check_args, corpus, fake_flite  # noqa: E402
 
 RATE = 16000
 TRANSCRIPTS = """; Core Asterisk Sounds in English
@@ -111,6 +112,20 @@ def test_a_rerun_replaces_the_lines_and_keeps_its_files(asterisk, tmp_path):
     assert [u["id"] for u in lines_of(data)[3:]] == ["human-0000-0", "human-0001-0", "human-0002-0"]
     human.add_to_train(data, 0, asterisk)
     assert len(lines_of(data)) == 3
+
+
+def test_an_engine_run_after_them_never_speaks_a_prompt_again(asterisk, tmp_path, monkeypatch):
+    calls = fake_flite(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 3)
+    human.add_to_train(data, 1, asterisk)
+    prompts = lines_of(data)[3:]
+    assert flite.main(["train", "--data", str(data), "--fraction", "1", "--flite-dir", "DIR", "--add"]) == 0
+    rows = lines_of(data)
+    assert [u["id"] for u in rows if u["speaker"].startswith("flite+")] == [f"train-{i:06d}-flite" for i in range(3)]
+    assert [u for u in rows if u["speaker"] == human.SPEAKER] == prompts  # each as it was, none spoken
+    assert len(calls.read_text().splitlines()) == 3
+    assert flite.main(["train", "--data", str(data), "--fraction", "1", "--flite-dir", "DIR"]) == 0  # replacing
+    assert [u for u in lines_of(data) if u["speaker"] == human.SPEAKER] == prompts
 
 
 def test_learning_check_adds_human_lines_last_to_a_copy(asterisk, tmp_path, monkeypatch):

@@ -147,9 +147,12 @@ def spoken_by(line: dict) -> str:
     return name if name in ENGINES and "+" in str(line.get("speaker", "")) else ""
 
 
+RECORDED = ("asterisk",)  # speakers "<name>+<who>" of recorded speech (local/human.py): no engine speaks it again
+
+
 def other_engine(line: dict, engine: Engine) -> bool:
-    """Did another engine than `engine` speak this train.jsonl line?"""
-    return spoken_by(line) not in ("", engine.name)
+    """Did another engine than `engine` speak this train.jsonl line, or is it a recording?"""
+    return spoken_by(line) not in ("", engine.name) or str(line.get("speaker", "")).split("+", 1)[0] in RECORDED
 
 
 def added_by(line: dict) -> str:
@@ -255,8 +258,8 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
                    pitch: tuple[float, float] | None = None, add: bool = False, engine: Engine = FLITE) -> list[Utt]:
     """Speak the plan's utterances and rewrite their lines of DATA/train.jsonl, or with `add`
     follow each with the engine's line (module docstring). The plan chooses among the corpus's own
-    lines: another engine's lines stay as they are, and this engine's earlier added ones are made
-    again from the plan."""
+    lines: another engine's lines and recorded speech (local/human.py) stay as they are, and this
+    engine's earlier added ones are made again from the plan."""
     manifest = data / "train.jsonl"
     # an earlier --add's lines are made again from the plan
     lines = [x for x in manifest_lines(manifest) if added_by(x) != engine.name]

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from flite import FliteError, fetch_by, manifest_lines  # this script's folder
+from flite import RECORDED, FliteError, fetch_by, manifest_lines  # this script's folder
 from synthesize import (
     EDGE_SILENCE,
     NOISE_SNR_DB,
@@ -49,7 +49,7 @@ SOUNDS = Path("root/usr/share/asterisk/sounds/en_US_f_Allison")  # under the fet
 TRANSCRIPTS = Path("root/usr/share/doc/asterisk-core-sounds-en/core-sounds-en.txt.gz")
 FOLDER = "train_human"  # under DATA/wav
 PREFIX = "human-"  # of the ids this module adds
-SPEAKER = "asterisk+allison"
+SPEAKER = f"{RECORDED[0]}+allison"  # no engine speaks these lines again
 _UNREAD = re.compile(r"\d{3}|\d[.,]\d|\[")  # numbers read in an unknown way, [non-speech]
 
 
