@@ -11,7 +11,8 @@ decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
 "flite+<voice>"); the text and id stay. It chooses among the corpus's own lines: those another
-engine spoke (local/mbrola.py and local/pico.py run this module's machinery) stay as they are.
+engine spoke (local/mbrola.py and local/pico.py run this module's machinery) and recorded speech
+(local/human.py) stay as they are.
 With --add, the eSpeak lines stay too and each chosen one is followed by its Flite line, id
 "<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
 (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is
