@@ -142,18 +142,23 @@ FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, fetch, speak,
 ENGINES = ("flite", "mbrola", "pico")  # every engine's name; "-<name>" is its --add suffix
 
 
+RECORDED = ("asterisk",)  # sources of recorded speech (local/human.py): no engine speaks it again
+
+
+def _source(line: dict) -> str:
+    """The <name> of a train.jsonl line's speaker "<name>+<voice>", else ""."""
+    name, plus, _ = str(line.get("speaker", "")).partition("+")
+    return name if plus else ""
+
+
 def spoken_by(line: dict) -> str:
     """The engine that spoke this train.jsonl line (its speaker "<name>+<voice>"), else ""."""
-    name = str(line.get("speaker", "")).split("+", 1)[0]
-    return name if name in ENGINES and "+" in str(line.get("speaker", "")) else ""
-
-
-RECORDED = ("asterisk",)  # speakers "<name>+<who>" of recorded speech (local/human.py): no engine speaks it again
+    return name if (name := _source(line)) in ENGINES else ""
 
 
 def other_engine(line: dict, engine: Engine) -> bool:
     """Did another engine than `engine` speak this train.jsonl line, or is it a recording?"""
-    return spoken_by(line) not in ("", engine.name) or str(line.get("speaker", "")).split("+", 1)[0] in RECORDED
+    return spoken_by(line) not in ("", engine.name) or _source(line) in RECORDED
 
 
 def added_by(line: dict) -> str:
