@@ -107,7 +107,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", opti
     `options`: the default decoding of `transcribe` (default DecodingOptions(): beam search, beam
     10, CTC weight 0.3; int8=True: int8 weights, asr.quantize); `search_threads`: see
     asr.decoding.DecodingTask (asr.decoding.thread_policy(threads) gives the commands' policy)."""
-    from asr.onnx_model import EXPORT_FILE
+    from asr.onnx_graphs import EXPORT_FILE
 
     if os.path.isfile(os.path.join(path, EXPORT_FILE)):  # another folder: load_file says it is one
         return _load_exported(path, device, options, search_threads)
@@ -257,7 +257,7 @@ class Recognizer:
         if not isinstance(self.model, OnnxModel) or not self.model.encoder.can_stream:
             raise ValueError("this exported model encodes whole utterances: export it with asr export --streaming "
                              "--chunk-size N --left-chunks L to stream")
-        fixed = self.model.encoder.stream  # (asr.onnx_model.StreamShape)
+        fixed = self.model.encoder.stream  # (asr.onnx_graphs.StreamShape)
         wanted = (fixed.chunk_size if chunk_size is None else chunk_size,
                   fixed.left_chunks if left_chunks is None else left_chunks)
         if wanted != tuple(fixed):

@@ -35,8 +35,8 @@ DIR holds (EXPORT_FILE says which graph is which and links them to the rest):
                        {"chunk_size", "left_chunks", "graphs": {name: file}}}
 Every size but the layers, heads and widths (and the streaming graphs' chunk_size and L, fixed when
 exported: unbounded left context cannot be a cache of fixed size) is a dynamic axis: B, N, T, T', S,
-C (the names and sizes are asr.onnx_model.graph_io's; each graph written is checked as loading will
-check it, asr.onnx_model.check_graph, so an exporter that writes other operators fails here). The
+C (the names and sizes are asr.onnx_graphs.graph_io's; each graph written is checked as loading will
+check it, asr.onnx_graphs.check_graph, so an exporter that writes other operators fails here). The
 tokenizer's fingerprint (sha256 of its content, `tokenizer_fingerprint`) ties it to the graphs: a
 tokenizer from another model, or one whose vocabulary is not the graphs' V, is refused on loading.
 
@@ -66,20 +66,17 @@ from asr.model import (
     TransformerEncoder,
     sinusoidal_positions,
 )
-from asr.onnx_model import (
+from asr.onnx_graphs import (
     EXPORT_FILE,
-    EXPORT_FORMAT,
-    EXPORT_VERSION,
     GRAPHS,
     STREAM_GRAPHS,
     StreamShape,
     check_graph,
     graph_io,
     read_graph,
-    require_extra,
     stream_shape,
-    tokenizer_fingerprint,
 )
+from asr.onnx_model import EXPORT_FORMAT, EXPORT_VERSION, require_extra, tokenizer_fingerprint
 
 __all__ = ["export_model"]
 

@@ -17,7 +17,8 @@ from asr.checkpoint import CheckpointError
 from asr.config import to_dict
 from asr.features import CMVNStats, FeatureConfig
 from asr.model import ModelConfig
-from asr.onnx_model import EXPORT_FILE, EXPORT_FORMAT, EXPORT_VERSION, GRAPHS, check_graph, load_exported
+from asr.onnx_graphs import EXPORT_FILE, GRAPHS, check_graph
+from asr.onnx_model import EXPORT_FORMAT, EXPORT_VERSION, load_exported
 from asr.tokenizer import CharTokenizer
 
 onnx = pytest.importorskip("onnx")

@@ -135,7 +135,7 @@ def test_exported_step_reads_the_cache_and_returns_one_position(exported, tmp_pa
     the previous version (whose step returned the whole cache) is refused with one line."""
     import onnx
 
-    from asr.onnx_model import EXPORT_FILE
+    from asr.onnx_graphs import EXPORT_FILE
 
     meta = json.loads((exported / EXPORT_FILE).read_text())
     model = meta["model"]
