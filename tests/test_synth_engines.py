@@ -1,9 +1,10 @@
-"""Training speech from a third and a fourth synthesizer (recipes/synth/local/mbrola.py and
-pico.py, on local/flite.py's machinery): MBROLA's lines beside eSpeak's and Flite's, each engine
-choosing among the corpus's own lines, eSpeak's and Pico's speed and pitch settings, the learning
-check's --mbrola, and the real MBROLA and Pico when they can be fetched."""
+"""Training speech from a third, fourth and fifth synthesizer (recipes/synth/local/mbrola.py,
+pico.py and rhvoice.py, on local/flite.py's machinery): MBROLA's lines beside eSpeak's and Flite's,
+each engine choosing among the corpus's own lines, eSpeak's, Pico's and RHVoice's speed and pitch
+settings, --voices, the learning check's --mbrola, and the real engines when they can be fetched."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import flite  # noqa: E402
 import learning_check  # noqa: E402
 import mbrola  # noqa: E402
 import pico  # noqa: E402
+import rhvoice  # noqa: E402
 from test_synth_flite import check_args, corpus, fake_flite, fake_tool  # noqa: E402
 
 # a fake tools/mbrola.sh: `run DIR -v mb-V -s WPM [-p P] -w OUT -- TEXT` writes a tone of 0.1 s per
@@ -138,12 +140,13 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
 
 
 def test_added_copies_follow_their_line_in_engine_order_whichever_engine_ran_last():
-    ids = ["a", "a-pico", "a-flite", "b", "a-mbrola", "c-flite", "b-mbrola", "b-flite", "c"]
+    ids = ["a", "a-rhvoice", "a-pico", "a-flite", "b", "a-mbrola", "c-flite", "b-mbrola", "b-flite", "c"]
     rows = [{"id": i, "speaker": f"{i.split('-')[1]}+v" if "-" in i else "en-us+m1"} for i in ids]
-    rows[5]["speaker"] = "en-us+m1"  # the corpus's own id "c-flite": no copy
+    rows[6]["speaker"] = "en-us+m1"  # the corpus's own id "c-flite": no copy
     assert [r["id"] for r in flite.in_engine_order(rows)] == [
-        "a", "a-flite", "a-mbrola", "a-pico", "b", "b-flite", "b-mbrola", "c-flite", "c"]
-    assert [flite.added_by(r) for r in rows] == ["", "pico", "flite", "", "mbrola", "", "mbrola", "flite", ""]
+        "a", "a-flite", "a-mbrola", "a-pico", "a-rhvoice", "b", "b-flite", "b-mbrola", "c-flite", "c"]
+    assert [flite.added_by(r) for r in rows] == ["", "rhvoice", "pico", "flite", "", "mbrola", "", "mbrola", "flite",
+                                                 ""]
 
 
 def test_pico_speed_and_pitch_are_its_markup_levels(tmp_path, monkeypatch):
@@ -174,14 +177,50 @@ def test_pico_speed_and_pitch_are_its_markup_levels(tmp_path, monkeypatch):
     assert sum(u["speaker"].startswith("pico+") for u in lines_of(data)) == 8
 
 
+def test_rhvoice_speed_and_pitch_are_its_relative_rate_and_pitch(tmp_path, monkeypatch):
+    said = []
+
+    class FakeSynthesizer:  # the library's engine: 0.1 s of tone per character at 24 kHz
+        def __init__(self, folder):
+            pass
+
+        def say(self, text, voice, rate, pitch):
+            said.append((text, voice, rate, pitch))
+            return np.full(int(2400 * len(text)), 1000, np.int16), 24000
+    monkeypatch.setattr(rhvoice, "_Synthesizer", FakeSynthesizer)
+    monkeypatch.setattr(rhvoice, "_engines", {})
+    data = corpus(tmp_path, 8)
+    before = lines_of(data)
+    monkeypatch.setattr(rhvoice, "RHVOICE_SH", tmp_path / "nothing.sh")
+    (tmp_path / "nothing.sh").write_text("exit 0\n")
+    args = ["train", "--data", str(data), "--rhvoice-dir", "DIR", "--fraction", "1", "--pitch", "0.8", "1.25",
+            "--add", "--voices", "bdl", "slt"]
+    assert flite.main(args, engine=rhvoice.RHVOICE, doc=rhvoice.__doc__,
+                      folder=("--rhvoice-dir", rhvoice.default_dir(), "RHVoice")) == 0
+    only = dataclasses.replace(rhvoice.RHVOICE, voices=("bdl", "slt"))
+    planned = {u.text: u for u in flite.plan(before, 1.0, seed=3, pitch=(0.8, 1.25), suffix="-rhvoice", engine=only)}
+    assert len(said) == 8 and {v for _, v, _, _ in said} == {"bdl", "slt"}  # --voices: those alone
+    for text, voice, rate, pitch in said:
+        u = planned[text.rstrip(".").upper()]
+        assert voice == u.voice and rate == pytest.approx(1 / u.stretch) and pitch == pytest.approx(u.f0 / 100)
+        assert 0.8 <= pitch <= 1.25
+    rows = [u for u in lines_of(data) if u["speaker"].startswith("rhvoice+")]
+    assert len(rows) == 8 and all(u["id"].endswith("-rhvoice") for u in rows)
+    for row in rows:  # 24 kHz resampled to the corpus's 16 kHz: 0.1 s a character still, and the edges
+        u = planned[row["text"]]
+        assert row["duration"] == pytest.approx(0.1 * len(u.text + ".") + u.lead + u.tail, abs=0.01)
+    card = json.loads((data / "corpus.json").read_text())
+    assert card["rhvoice"]["voices"] == ["bdl", "slt"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("module", [mbrola, pico], ids=["mbrola", "pico"])
+@pytest.mark.parametrize("module", [mbrola, pico, rhvoice], ids=["mbrola", "pico", "rhvoice"])
 def test_engine_voices_speak_a_line_slower_and_higher_when_asked(module, tmp_path):
     """The engine fetched (tools/mbrola.sh: Debian's espeak-ng, mbrola and its voices; tools/pico.sh:
     two Debian packages; into the user's cache, a network download: slow-marked for that); each
     voice speaks a line into a 16 kHz FLAC, slower with a larger stretch, higher with a larger
     pitch factor."""
-    engine = module.MBROLA if module is mbrola else module.PICO
+    engine = {mbrola: mbrola.MBROLA, pico: pico.PICO, rhvoice: rhvoice.RHVOICE}[module]
     try:
         folder = module.fetch(module.default_dir())
     except flite.FliteError as e:

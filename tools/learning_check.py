@@ -18,8 +18,9 @@ OUT/learning_check.json.
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
-   lines and adds the Flite ones); with --mbrola F and --pico F, and their -pitch and -add, the
-   same by MBROLA's and SVOX Pico's voices (recipes/synth/local/mbrola.py, pico.py), after Flite's;
+   lines and adds the Flite ones); with --mbrola F, --pico F and --rhvoice F, and their -pitch and
+   -add, the same by MBROLA's, SVOX Pico's and RHVoice's voices (recipes/synth/local/mbrola.py,
+   pico.py, rhvoice.py), after Flite's;
    with --human K, Asterisk's English prompts, read by a person, added K times (local/human.py), last.
    With --data, that folder's train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl
    when it has them; with --data and any of them, a hard-linked copy of the folder in OUT/data is
@@ -69,10 +70,11 @@ FESTIVAL = ROOT / "recipes" / "synth" / "local" / "festival.py"
 FLITE = ROOT / "recipes" / "synth" / "local" / "flite.py"
 MBROLA = ROOT / "recipes" / "synth" / "local" / "mbrola.py"
 PICO = ROOT / "recipes" / "synth" / "local" / "pico.py"
+RHVOICE = ROOT / "recipes" / "synth" / "local" / "rhvoice.py"
 HUMAN = ROOT / "recipes" / "synth" / "local" / "human.py"
 # the other synthesizers, each option --NAME F [--NAME-pitch LO HI] [--NAME-add], run in this order
 ENGINES = {"flite": (FLITE, "Flite's voices"), "mbrola": (MBROLA, "MBROLA's voices"),
-           "pico": (PICO, "SVOX Pico's voices")}
+           "pico": (PICO, "SVOX Pico's voices"), "rhvoice": (RHVOICE, "RHVoice's voices")}
 # the dev sets: the same held-out lines, one gap each (module docstring)
 DEV_SETS = {"dev": "unseen accents", "dev_near": "unseen voices", "dev_synth": "unseen synthesizer"}
 PREPARED = "prepared.json"  # what the tokenizer, CMVN statistics and features in a check's folder were made from
@@ -142,7 +144,7 @@ def linked_copy(src: Path, dst: Path) -> None:
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     """--flite F: that fraction of the training lines spoken again by Flite (kept when made before),
     with --flite-pitch LO HI at a pitch drawn per line, with --flite-add beside the eSpeak lines;
-    then --mbrola F and --pico F (and their -pitch, -add) by MBROLA's and Pico's voices; last,
+    then --mbrola F, --pico F and --rhvoice F (and their -pitch, -add) by those engines' voices; last,
     --human K: Asterisk's human prompts added K times."""
     for name, (script, _) in ENGINES.items():
         fraction, pitch, add = (getattr(args, name + k) for k in ("", "_pitch", "_add"))

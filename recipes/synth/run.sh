@@ -7,7 +7,7 @@
 #                             [--num-train N] [--num-dev N] [--num-test N] [--num-dev-near N]
 #                             [--num-dev-synth N] [--festival-dir DIR]
 #                             [--flite F [--flite-pitch LO HI] [--flite-add] [--flite-dir DIR]]
-#                             [--mbrola F ...] [--pico F ...] (as --flite's)
+#                             [--mbrola F ...] [--pico F ...] [--rhvoice F ...] (as --flite's)
 #                             [--extra-dev-decodes open|all]
 #                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [--streaming] [section.key=value ...]
@@ -19,8 +19,8 @@
 #     training utterances spoken again by Flite (local/flite.py, tools/flite.sh; --flite 0: none),
 #     each at a pitch drawn in [LO, HI] x its own with --flite-pitch, beside the eSpeak line with
 #     --flite-add (else instead of it); then --mbrola's by MBROLA's voices (local/mbrola.py,
-#     tools/mbrola.sh: mind the voices' licence there) and --pico's by SVOX Pico's (local/pico.py,
-#     tools/pico.sh), likewise
+#     tools/mbrola.sh: mind the voices' licence there), --pico's by SVOX Pico's (local/pico.py,
+#     tools/pico.sh) and --rhvoice's by RHVoice's (local/rhvoice.py, tools/rhvoice.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
 #   4 average checkpoints          5 decode dev and test: open vocabulary, alone and with the word LM
@@ -47,8 +47,8 @@ root=$(cd "$here/../.." && pwd)
 
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
 num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
-engines=(flite mbrola pico)  # the other synthesizers, local/<name>.py, run in this order
-declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0) pitch=() add=() engine_dir=()
+engines=(flite mbrola pico rhvoice)  # the other synthesizers, local/<name>.py, run in this order
+declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0 [rhvoice]=0) pitch=() add=() engine_dir=()
 lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""; streaming=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
@@ -64,10 +64,10 @@ while [ $# -gt 0 ]; do
     --num-dev-near) num_dev_near=$2; shift 2;;
     --num-dev-synth) num_dev_synth=$2; shift 2;;
     --festival-dir) festival_dir=$(abspath "$2"); shift 2;;
-    --flite|--mbrola|--pico) fraction[${1#--}]=$2; shift 2;;
-    --flite-pitch|--mbrola-pitch|--pico-pitch) e=${1#--}; pitch[${e%-pitch}]="$2 $3"; shift 3;;
-    --flite-add|--mbrola-add|--pico-add) e=${1#--}; add[${e%-add}]=1; shift;;
-    --flite-dir|--mbrola-dir|--pico-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
+    --flite|--mbrola|--pico|--rhvoice) fraction[${1#--}]=$2; shift 2;;
+    --flite-pitch|--mbrola-pitch|--pico-pitch|--rhvoice-pitch) e=${1#--}; pitch[${e%-pitch}]="$2 $3"; shift 3;;
+    --flite-add|--mbrola-add|--pico-add|--rhvoice-add) e=${1#--}; add[${e%-add}]=1; shift;;
+    --flite-dir|--mbrola-dir|--pico-dir|--rhvoice-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
     --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
     --lm-clauses) lm_clauses=$2; shift 2;;
@@ -127,7 +127,7 @@ synthesize() {
       ${add[$e]:+--add} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"}
   done
 }
-run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, of train Flite ${fraction[flite]}, MBROLA ${fraction[mbrola]}, Pico ${fraction[pico]}" \
+run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, of train Flite ${fraction[flite]}, MBROLA ${fraction[mbrola]}, Pico ${fraction[pico]}, RHVoice ${fraction[rhvoice]}" \
   synthesize
 # the tokenizer the config asks for (kind and size, after the overrides), named after them, and
 # its mel bins (for the CMVN statistics)

@@ -11,7 +11,7 @@ decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F
 the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
 DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
 "flite+<voice>"); the text and id stay. It chooses among the corpus's own lines: those another
-engine spoke (local/mbrola.py and local/pico.py run this module's machinery) and recorded speech
+engine spoke (local/mbrola.py, pico.py and rhvoice.py run this module's machinery) and recorded speech
 (local/human.py) stay as they are.
 With --add, the eSpeak lines stay too and each chosen one is followed by its Flite line, id
 "<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
@@ -77,7 +77,8 @@ def default_dir() -> Path:
 
 
 def fetch_by(script: Path, folder: Path) -> Path:
-    """A folder that `script fetch` filled (tools/flite.sh, mbrola.sh, pico.sh), or a FliteError saying why not."""
+    """A folder that `script fetch` filled (tools/flite.sh, mbrola.sh, pico.sh, rhvoice.sh), or a FliteError
+    saying why not."""
     try:
         done = subprocess.run(["bash", str(script), "fetch", str(folder)], capture_output=True, text=True,
                               timeout=600)
@@ -122,8 +123,8 @@ def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) 
 
 @dataclass(frozen=True)
 class Engine:
-    """A synthesizer that speaks training lines again: Flite here, MBROLA and Pico in local/mbrola.py
-    and local/pico.py."""
+    """A synthesizer that speaks training lines again: Flite here, MBROLA, Pico and RHVoice in
+    local/mbrola.py, pico.py and rhvoice.py."""
 
     name: str  # in the plan's seed, the FLAC keys, corpus.json and the speakers ("<name>+<voice>")
     label: str  # the synthesizer's name in messages
@@ -139,7 +140,7 @@ FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, fetch, speak,
                lambda voice, factor: round(VOICE_F0[voice] * factor) if voice in VOICE_F0 else 0.0)
 
 
-ENGINES = ("flite", "mbrola", "pico")  # every engine's name; "-<name>" is its --add suffix
+ENGINES = ("flite", "mbrola", "pico", "rhvoice")  # every engine's name; "-<name>" is its --add suffix
 
 
 RECORDED = ("asterisk",)  # sources of recorded speech (local/human.py): no engine speaks it again
@@ -278,7 +279,8 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
     todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
     if todo:
         engine.fetch(folder)
-    with ThreadPoolExecutor(max(1, jobs)) as pool:  # Flite, MBROLA: a process per call (Pico: one at a time)
+    # Flite, MBROLA: a process per call (Pico, RHVoice: one call at a time)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
         frames = dict(zip((u.id for u in utts), pool.map(lambda u: _render(data, folder, u), utts)))
     by_id = {u.id.removesuffix(engine.suffix) if add else u.id: u for u in utts}
     rows = []
@@ -320,6 +322,8 @@ def main(argv: list[str] | None = None, engine: Engine = FLITE, doc: str = __doc
                    help="each voice's pitch: its own times a factor drawn per line in [LO, HI]")
     p.add_argument("--add", action="store_true",
                    help=f"keep the eSpeak lines and add the {engine.label} ones beside them (ids <id>{engine.suffix})")
+    p.add_argument("--voices", nargs="+", choices=engine.voices, metavar="VOICE",
+                   help=f"the voices that speak, in turn (default all: {' '.join(engine.voices)})")
     q = sub.add_parser("say", help="speak one text into a 16 kHz FLAC")
     q.add_argument("text")
     q.add_argument("out", type=Path)
@@ -341,6 +345,8 @@ def main(argv: list[str] | None = None, engine: Engine = FLITE, doc: str = __doc
         if args.pitch and not 0 < args.pitch[0] <= args.pitch[1]:
             parser.error("--pitch LO HI: 0 < LO <= HI")
         pitch = tuple(args.pitch) if args.pitch else None
+        if args.voices:
+            engine = replace(engine, voices=tuple(dict.fromkeys(args.voices)))
         mix_into_train(args.data, args.fraction, args.folder, args.seed, args.jobs, pitch, args.add, engine)
     except (FliteError, OSError, ValueError, KeyError) as e:
         print(f"{engine.name}: error: {e}", file=sys.stderr)
