@@ -2,17 +2,18 @@
 again by CMU Flite (Debian's flite: kal16, a diphone voice, and awb, rms and slt, statistical
 parametric voices), so that the model does not learn eSpeak's formant sound as speech itself.
 
-    python local/flite.py train --data DATA --fraction F [--pitch LO HI] [--add] [--flite-dir DIR] [--seed S] [--jobs J]
+    python local/flite.py train --data DATA --fraction F [--pitch LO HI] [--add] [--voices V...]
+        [--flite-dir DIR] [--seed S] [--jobs J]
     python local/flite.py say "SOME TEXT" OUT.flac [--voice V] [--flite-dir DIR]
 
 `train` reads DATA/train.jsonl (as synthesize.py wrote it), chooses round(F x N) of its utterances
 with the seed (DATA/corpus.json's, else --seed), speaks each with a Flite voice dealt from shuffled
-decks and a speed (duration_stretch) drawn per utterance (with --pitch, a mean F0 as well), with
-the training edges and noise floor (synthesize.TRIMMED_EDGE, with_edges_and_noise), into
-DATA/wav/train_flite/<id>.flac, and rewrites those lines of train.jsonl (audio, duration, speaker
-"flite+<voice>"); the text and id stay. It chooses among the corpus's own lines: those another
-engine spoke (local/mbrola.py, pico.py and rhvoice.py run this module's machinery) and recorded speech
-(local/human.py) stay as they are.
+decks of them (of --voices' alone when given) and a speed (duration_stretch) drawn per utterance
+(with --pitch, a mean F0 as well), with the training edges and noise floor (synthesize.TRIMMED_EDGE,
+with_edges_and_noise), into DATA/wav/train_flite/<id>.flac, and rewrites those lines of
+train.jsonl (audio, duration, speaker "flite+<voice>"); the text and id stay. It chooses among the
+corpus's own lines: those another engine spoke (local/mbrola.py, pico.py and rhvoice.py run this
+module's machinery) and recorded speech (local/human.py) stay as they are.
 With --add, the eSpeak lines stay too and each chosen one is followed by its Flite line, id
 "<id>-flite" (the corpus grows by F). Each is given the text eSpeak was given
 (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is

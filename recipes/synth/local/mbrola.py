@@ -3,7 +3,7 @@ again by MBROLA's diphone voices (us1 female, us2 and us3 male American, en1 mal
 eSpeak NG choosing the phonemes and prosody (its mb-* voices), so that the model hears
 concatenated recorded diphones as well as eSpeak's formants and Flite's voices.
 
-    python local/mbrola.py train --data DATA --fraction F [--pitch LO HI] [--add] [--mbrola-dir DIR]
+    python local/mbrola.py train --data DATA --fraction F [--pitch LO HI] [--add] [--voices V...] [--mbrola-dir DIR]
         [--seed S] [--jobs J]
     python local/mbrola.py say "SOME TEXT" OUT.flac [--voice V] [--mbrola-dir DIR]
 

@@ -2,7 +2,7 @@
 again by SVOX Pico's English voices (en-US and en-GB, both female; HMM-based), through its library
 (ctypes), so that the model hears a statistical parametric synthesizer of another make than Flite's.
 
-    python local/pico.py train --data DATA --fraction F [--pitch LO HI] [--add] [--pico-dir DIR]
+    python local/pico.py train --data DATA --fraction F [--pitch LO HI] [--add] [--voices V...] [--pico-dir DIR]
         [--seed S] [--jobs J]
     python local/pico.py say "SOME TEXT" OUT.flac [--voice V] [--pico-dir DIR]
 
