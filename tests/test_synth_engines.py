@@ -127,12 +127,14 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
         else:
             assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
-    args = check_args(data, flite=0.4, flite_add=True, mbrola=0.6, mbrola_pitch=[0.8, 1.2], mbrola_add=True)
+    args = check_args(data, flite=0.4, flite_add=True, mbrola=0.6, mbrola_pitch=[0.8, 1.2], mbrola_add=True,
+                      mbrola_voices=["us2", "en1"])
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert ran == ["flite.py", "mbrola.py"]
     speakers = [u["speaker"].split("+")[0] for u in lines_of(out)]
     assert speakers.count("flite") == 4 and speakers.count("mbrola") == 6 and len(speakers) == 20
+    assert {u["speaker"] for u in lines_of(out) if u["speaker"].startswith("mbrola+")} == {"mbrola+us2", "mbrola+en1"}
     assert not (data / "wav" / "train_mbrola").exists()  # the given folder as it was
     only = check_args(data, mbrola=0.5)
     other = tmp_path / "only" / "data"

@@ -196,7 +196,7 @@ def check_args(data: Path, **given):
     import learning_check
     args = {"data": str(data), "jobs": 1, "human": 0}
     for name in learning_check.ENGINES:
-        args.update({name: 0.0, f"{name}_pitch": None, f"{name}_add": False})
+        args.update({name: 0.0, f"{name}_pitch": None, f"{name}_add": False, f"{name}_voices": None})
     return argparse.Namespace(**{**args, **given})
 
 

@@ -18,9 +18,9 @@ OUT/learning_check.json.
    never heard; skipped, not failed, when Festival cannot be fetched); with --flite F, a fraction F
    of the training lines spoken again by Flite's voices (recipes/synth/local/flite.py, as the synth
    recipe's --flite; --flite-pitch LO HI draws each line's mean pitch; --flite-add keeps the eSpeak
-   lines and adds the Flite ones); with --mbrola F, --pico F and --rhvoice F, and their -pitch and
-   -add, the same by MBROLA's, SVOX Pico's and RHVoice's voices (recipes/synth/local/mbrola.py,
-   pico.py, rhvoice.py), after Flite's;
+   lines and adds the Flite ones; --flite-voices V... has those voices alone speak); with --mbrola
+   F, --pico F and --rhvoice F, and their -pitch, -add and -voices, the same by MBROLA's, SVOX
+   Pico's and RHVoice's voices (recipes/synth/local/mbrola.py, pico.py, rhvoice.py), after Flite's;
    with --human K, Asterisk's English prompts, read by a person, added K times (local/human.py), last.
    With --data, that folder's train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl
    when it has them; with --data and any of them, a hard-linked copy of the folder in OUT/data is
@@ -143,14 +143,16 @@ def linked_copy(src: Path, dst: Path) -> None:
 
 def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     """--flite F: that fraction of the training lines spoken again by Flite (kept when made before),
-    with --flite-pitch LO HI at a pitch drawn per line, with --flite-add beside the eSpeak lines;
+    with --flite-pitch LO HI at a pitch drawn per line, with --flite-add beside the eSpeak lines,
+    with --flite-voices by those voices alone;
     then --mbrola F, --pico F and --rhvoice F (and their -pitch, -add) by those engines' voices; last,
     --human K: Asterisk's human prompts added K times."""
     for name, (script, _) in ENGINES.items():
-        fraction, pitch, add = (getattr(args, name + k) for k in ("", "_pitch", "_add"))
+        fraction, pitch, add, voices = (getattr(args, name + k) for k in ("", "_pitch", "_add", "_voices"))
         if fraction:
             run([sys.executable, script, "train", "--data", data, "--fraction", fraction,
-                 *(["--pitch", *pitch] if pitch else []), *(["--add"] if add else []), "--jobs", args.jobs], log)
+                 *(["--pitch", *pitch] if pitch else []), *(["--add"] if add else []),
+                 *(["--voices", *voices] if voices else []), "--jobs", args.jobs], log)
     if args.human:
         run([sys.executable, HUMAN, "train", "--data", data, "--copies", args.human], log)
     return data
@@ -270,6 +272,8 @@ def main() -> None:
         p.add_argument(f"--{name}-add", action="store_true",
                        help=f"with --{name}: those lines added beside the others, which all stay "
                             f"({script.name} train --add)")
+        p.add_argument(f"--{name}-voices", nargs="+", metavar="VOICE",
+                       help=f"with --{name}: those of its voices alone speak ({script.name} train --voices)")
     p.add_argument("--human", type=int, default=0, metavar="K",
                    help="Asterisk's English prompts (one human speaker, ~26 min) added K times to the training "
                         "lines, after the other engines' (recipes/synth/local/human.py); with --data, in a "
