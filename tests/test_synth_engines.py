@@ -219,7 +219,8 @@ def test_rhvoice_speed_and_pitch_are_its_relative_rate_and_pitch(tmp_path, monke
 @pytest.mark.parametrize("module", [mbrola, pico, rhvoice], ids=["mbrola", "pico", "rhvoice"])
 def test_engine_voices_speak_a_line_slower_and_higher_when_asked(module, tmp_path):
     """The engine fetched (tools/mbrola.sh: Debian's espeak-ng, mbrola and its voices; tools/pico.sh:
-    two Debian packages; into the user's cache, a network download: slow-marked for that); each
+    two Debian packages; tools/rhvoice.sh: four; into the user's cache, a network download:
+    slow-marked for that); each
     voice speaks a line into a 16 kHz FLAC, slower with a larger stretch, higher with a larger
     pitch factor."""
     engine = {mbrola: mbrola.MBROLA, pico: pico.PICO, rhvoice: rhvoice.RHVOICE}[module]

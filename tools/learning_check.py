@@ -72,7 +72,8 @@ MBROLA = ROOT / "recipes" / "synth" / "local" / "mbrola.py"
 PICO = ROOT / "recipes" / "synth" / "local" / "pico.py"
 RHVOICE = ROOT / "recipes" / "synth" / "local" / "rhvoice.py"
 HUMAN = ROOT / "recipes" / "synth" / "local" / "human.py"
-# the other synthesizers, each option --NAME F [--NAME-pitch LO HI] [--NAME-add], run in this order
+# the other synthesizers, each option --NAME F [--NAME-pitch LO HI] [--NAME-add] [--NAME-voices V...], run in
+# this order
 ENGINES = {"flite": (FLITE, "Flite's voices"), "mbrola": (MBROLA, "MBROLA's voices"),
            "pico": (PICO, "SVOX Pico's voices"), "rhvoice": (RHVOICE, "RHVoice's voices")}
 # the dev sets: the same held-out lines, one gap each (module docstring)

@@ -39,7 +39,7 @@ from synthesize import (  # this script's folder
     EDGE_SILENCE,
     NOISE_SNR_DB,
     SAMPLE_RATE,
-    Resampler,
+    at_corpus_rate,
     engine_text,
     existing_frames,
     with_edges_and_noise,
@@ -122,8 +122,7 @@ def speak(lines: list[Line], folder: Path) -> list[np.ndarray]:
                 tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
                 raise FestivalError(f"festival wrote nothing for {line.text!r}: {tail}")
             samples, rate = sf.read(str(wav), dtype="int16")
-            y = samples.astype(np.float32)
-            out.append(y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y))
+            out.append(at_corpus_rate(samples, rate))
         return out
 
 

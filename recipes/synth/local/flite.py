@@ -49,7 +49,7 @@ from synthesize import (
     NOISE_SNR_DB,
     SAMPLE_RATE,
     TRIMMED_EDGE,
-    Resampler,
+    at_corpus_rate,
     existing_frames,
     with_edges_and_noise,
     write_flac,
@@ -109,8 +109,7 @@ def spoken_wav(command: Callable[[Path], list[str]], who: str, text: str) -> np.
             tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
             raise FliteError(f"{who} wrote nothing for {text!r}: {tail}")
         samples, rate = sf.read(str(wav), dtype="int16")
-    y = samples.astype(np.float32)
-    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+    return at_corpus_rate(samples, rate)
 
 
 def speak(text: str, voice: str, stretch: float, folder: Path, f0: float = 0.0) -> np.ndarray:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from flite import Engine, FliteError, fetch_by  # this script's folder
 from flite import main as engine_main
-from synthesize import SAMPLE_RATE, Resampler, engine_text
+from synthesize import at_corpus_rate, engine_text
 
 VOICES = ("en-US", "en-GB")
 PICO_SH = Path(__file__).resolve().parents[3] / "tools" / "pico.sh"
@@ -108,8 +108,7 @@ def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.
         y = _voices[key].say(markup)
     if not y.size:
         raise FliteError(f"pico ({voice}) gave no audio for {text!r}")
-    y = y.astype(np.float32)
-    return y if SAMPLE_RATE == PICO_RATE else Resampler(PICO_RATE, SAMPLE_RATE)(y)
+    return at_corpus_rate(y, PICO_RATE)
 
 
 PICO = Engine("pico", "SVOX Pico", VOICES, "train_pico", "-pico", fetch, speak,

@@ -10,7 +10,7 @@ model hears the statistical parametric voices of yet another make, with its own 
 `train` is local/flite.py's with this engine (as local/pico.py's): its own seeded choice of the
 corpus's own lines, ids "<id>-rhvoice" with --add, speakers "rhvoice+<voice>", FLACs in
 DATA/wav/train_rhvoice, DATA/corpus.json's "rhvoice". A speed (duration stretch s) is RHVoice's
-relative rate 1/s; --pitch's factor f its relative pitch f percent/100 (stored as 100 f). RHVoice
+relative rate 1/s; --pitch's factor f its relative pitch f (stored as the percentage 100 f). RHVoice
 comes from tools/rhvoice.sh (fetched into --rhvoice-dir, default $ASR_RHVOICE_DIR or
 ~/.cache/asr-rhvoice, when missing; Debian's non-free).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from flite import Engine, FliteError, fetch_by  # this script's folder
 from flite import main as engine_main
-from synthesize import SAMPLE_RATE, Resampler, engine_text
+from synthesize import at_corpus_rate, engine_text
 
 VOICES = ("alan", "bdl", "clb", "slt")
 RHVOICE_SH = Path(__file__).resolve().parents[3] / "tools" / "rhvoice.sh"
@@ -131,8 +131,7 @@ def speak(text: str, voice: str, stretch: float, folder: Path, pitch: float = 0.
         y, rate = _engines[Path(folder)].say(engine_text(text), voice, 1.0 / stretch, pitch / 100 if pitch else 1.0)
     if not y.size or not rate:
         raise FliteError(f"rhvoice ({voice}) gave no audio for {text!r}")
-    y = y.astype(np.float32)
-    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+    return at_corpus_rate(y, rate)
 
 
 RHVOICE = Engine("rhvoice", "RHVoice", VOICES, "train_rhvoice", "-rhvoice", fetch, speak,

@@ -373,6 +373,12 @@ class Resampler:
         return y[: math.ceil(self.new * len(x) / self.orig)]
 
 
+def at_corpus_rate(samples: np.ndarray, rate: int) -> np.ndarray:
+    """Another synthesizer's (T,) samples at `rate` -> float32 at SAMPLE_RATE, in the same units."""
+    y = samples.astype(np.float32)
+    return y if rate == SAMPLE_RATE else Resampler(rate, SAMPLE_RATE)(y)
+
+
 def _loader() -> ModuleType:
     """The espeakng_loader package (libespeak-ng and its data), or a clear error."""
     try:
