@@ -141,6 +141,15 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
     assert learning_check.make_data(only, other, tmp_path / "log") == other  # --mbrola alone: a copy too
 
 
+def test_learning_check_voices_leave_the_overrides_after_them_to_the_config():
+    args = learning_check.parse_args(["--out", "o", "--data", "d", "--flite", "1", "--flite-voices", "kal16", "awb",
+                                      "training.seed=0", "data.augment.gain.prob=0.5"])
+    assert args.flite_voices == ["kal16", "awb"]
+    assert args.overrides == ["training.seed=0", "data.augment.gain.prob=0.5"]
+    before = learning_check.parse_args(["--out", "o", "model.d_model=96", "--pico", "1", "--pico-voices", "en-US"])
+    assert before.pico_voices == ["en-US"] and before.overrides == ["model.d_model=96"]
+
+
 def test_added_copies_follow_their_line_in_engine_order_whichever_engine_ran_last():
     ids = ["a", "a-rhvoice", "a-pico", "a-flite", "b", "a-mbrola", "c-flite", "b-mbrola", "b-flite", "c"]
     rows = [{"id": i, "speaker": f"{i.split('-')[1]}+v" if "-" in i else "en-us+m1"} for i in ids]

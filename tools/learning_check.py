@@ -245,7 +245,7 @@ def plateau_steps(records: list[dict], chance: float, below: float) -> dict:
     return {"train": first("train"), "valid": first("valid")}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="the check's folder (data, experiment, report)")
@@ -283,7 +283,20 @@ def main() -> None:
                    help="another check's folder (--out) whose tokenizer, CMVN statistics and dumped features "
                         "to hard-link, when its prepared.json says the same corpus and settings made them")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for name in ENGINES:  # `--flite-voices kal16 training.seed=0`: a voice list takes what follows it
+        voices = getattr(args, f"{name}_voices") or []
+        cut = next((i for i, v in enumerate(voices) if "=" in v), len(voices))  # no voice has an "="
+        if cut < len(voices):
+            if not cut:
+                p.error(f"--{name}-voices: no voice before {voices[0]}")
+            setattr(args, f"{name}_voices", voices[:cut])
+            args.overrides = [*voices[cut:], *args.overrides]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
