@@ -6,7 +6,7 @@
 #   bash recipes/synth/run.sh [--stage N] [--stop-stage M] [--name NAME] [--text FILE]
 #                             [--num-train N] [--num-dev N] [--num-test N] [--num-dev-near N]
 #                             [--num-dev-synth N] [--festival-dir DIR]
-#                             [--flite F [--flite-pitch LO HI] [--flite-add] [--flite-dir DIR]]
+#                             [--flite F [--flite-pitch LO HI] [--flite-add] [--flite-voices V...] [--flite-dir DIR]]
 #                             [--mbrola F ...] [--pico F ...] [--rhvoice F ...] (as --flite's)
 #                             [--extra-dev-decodes open|all]
 #                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
@@ -18,7 +18,7 @@
 #     by tools/festival.sh; skipped, not failed, when it cannot be had); then a fraction F of the
 #     training utterances spoken again by Flite (local/flite.py, tools/flite.sh; --flite 0: none),
 #     each at a pitch drawn in [LO, HI] x its own with --flite-pitch, beside the eSpeak line with
-#     --flite-add (else instead of it); then --mbrola's by MBROLA's voices (local/mbrola.py,
+#     --flite-add (else instead of it), by --flite-voices' voices alone when given; then --mbrola's by MBROLA's voices (local/mbrola.py,
 #     tools/mbrola.sh: mind the voices' licence there), --pico's by SVOX Pico's (local/pico.py,
 #     tools/pico.sh) and --rhvoice's by RHVoice's (local/rhvoice.py, tools/rhvoice.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
@@ -48,7 +48,7 @@ root=$(cd "$here/../.." && pwd)
 stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; num_dev=200; num_test=400
 num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
 engines=(flite mbrola pico rhvoice)  # the other synthesizers, local/<name>.py, run in this order
-declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0 [rhvoice]=0) pitch=() add=() engine_dir=()
+declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0 [rhvoice]=0) pitch=() add=() voices=() engine_dir=()
 lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""; streaming=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
@@ -67,6 +67,10 @@ while [ $# -gt 0 ]; do
     --flite|--mbrola|--pico|--rhvoice) fraction[${1#--}]=$2; shift 2;;
     --flite-pitch|--mbrola-pitch|--pico-pitch|--rhvoice-pitch) e=${1#--}; pitch[${e%-pitch}]="$2 $3"; shift 3;;
     --flite-add|--mbrola-add|--pico-add|--rhvoice-add) e=${1#--}; add[${e%-add}]=1; shift;;
+    --flite-voices|--mbrola-voices|--pico-voices|--rhvoice-voices)  # the words up to the next option or override
+      e=${1#--}; e=${e%-voices}; voices[$e]=""; shift
+      while [ $# -gt 0 ] && [[ $1 != -* && $1 != *=* ]]; do voices[$e]+=" $1"; shift; done
+      [ -n "${voices[$e]}" ] || { echo "run.sh: --$e-voices names no voice" >&2; exit 2; };;
     --flite-dir|--mbrola-dir|--pico-dir|--rhvoice-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
     --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
@@ -122,9 +126,9 @@ synthesize() {
   local e  # (synthesize.py has just rewritten train.jsonl: eSpeak's alone)
   for e in "${engines[@]}"; do
     case ${fraction[$e]} in 0|0.0|.0) continue;; esac
-    # shellcheck disable=SC2086  # pitch: LO HI, two words
+    # shellcheck disable=SC2086  # pitch: LO HI, two words; voices: one word each
     python local/$e.py train --data "$data" --fraction "${fraction[$e]}" ${pitch[$e]:+--pitch ${pitch[$e]}} \
-      ${add[$e]:+--add} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"}
+      ${add[$e]:+--add} ${voices[$e]:+--voices ${voices[$e]}} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"}
   done
 }
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, of train Flite ${fraction[flite]}, MBROLA ${fraction[mbrola]}, Pico ${fraction[pico]}, RHVoice ${fraction[rhvoice]}" \
