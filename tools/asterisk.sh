@@ -17,23 +17,5 @@ DEBS=(  # path under the mirror, SHA-256 (Debian 12's)
   "pool/main/a/asterisk-core-sounds/asterisk-core-sounds-en_1.6.1-1_all.deb 973e797d28e37fa6ca3c0a9d6fa717e77cf1268ae916bf09fd3503113cdffa50"
 )
 FILES=(usr/share/doc/asterisk-core-sounds-en/core-sounds-en.txt.gz usr/share/asterisk/sounds/en_US_f_Allison/hello-world.g722)
-tools=${BASH_SOURCE[0]%/*}; [ "$tools" != "${BASH_SOURCE[0]}" ] || tools=.  # this folder, without dirname
-die() { echo "asterisk.sh: $*" >&2; exit 1; }
-
-there() { local f; for f in "${FILES[@]}"; do [ -f "$1/root/$f" ] || return 1; done; }
-
-fetch() {
-  local dir=$1
-  if there "$dir"; then echo "$dir"; return 0; fi
-  "$BASH" "$tools/debpinned.sh" Asterisk "$dir" "${DEBS[@]}" || exit 1
-  there "$dir" || die "$dir lacks some of ${FILES[*]} after unpacking"
-  echo "asterisk.sh: Asterisk's English prompts unpacked into $dir" >&2
-  echo "$dir"
-}
-
-cmd=${1:-}; [ $# -gt 0 ] && shift
-case $cmd in
-  fetch) fetch "$(realpath -m "${1:-${ASR_ASTERISK_DIR:-$HOME/.cache/asr-asterisk}}")";;
-  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0";;
-  *) die "usage: asterisk.sh fetch [DIR]";;
-esac
+NAME=asterisk WHAT="Asterisk's English prompts" DIR_VAR=ASR_ASTERISK_DIR
+. "$(dirname "${BASH_SOURCE[0]}")/pinned_fetch.sh"

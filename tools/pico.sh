@@ -17,24 +17,5 @@ DEBS=(  # path under the mirror, SHA-256 (Debian 12's)
 )
 FILES=(usr/lib/x86_64-linux-gnu/libttspico.so.0 usr/share/pico/lang/en-US_ta.bin usr/share/pico/lang/en-US_lh0_sg.bin
        usr/share/pico/lang/en-GB_ta.bin usr/share/pico/lang/en-GB_kh0_sg.bin)
-tools=${BASH_SOURCE[0]%/*}; [ "$tools" != "${BASH_SOURCE[0]}" ] || tools=.  # this folder, without dirname
-die() { echo "pico.sh: $*" >&2; exit 1; }
-
-there() { local f; for f in "${FILES[@]}"; do [ -f "$1/root/$f" ] || return 1; done; }
-
-fetch() {
-  local dir=$1
-  if there "$dir"; then echo "$dir"; return 0; fi
-  [ "$(uname -m)" = x86_64 ] || die "the pinned libttspico0 is Debian's amd64 build; this machine is $(uname -m)"
-  "$BASH" "$tools/debpinned.sh" Pico "$dir" "${DEBS[@]}" || exit 1
-  there "$dir" || die "$dir lacks some of ${FILES[*]} after unpacking"
-  echo "pico.sh: SVOX Pico's en-US and en-GB voices unpacked into $dir" >&2
-  echo "$dir"
-}
-
-cmd=${1:-}; [ $# -gt 0 ] && shift
-case $cmd in
-  fetch) fetch "$(realpath -m "${1:-${ASR_PICO_DIR:-$HOME/.cache/asr-pico}}")";;
-  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0";;
-  *) die "usage: pico.sh fetch [DIR]";;
-esac
+NAME=pico WHAT="SVOX Pico's en-US and en-GB voices" DIR_VAR=ASR_PICO_DIR AMD64=libttspico0
+. "$(dirname "${BASH_SOURCE[0]}")/pinned_fetch.sh"

@@ -24,24 +24,5 @@ LIB=usr/lib/x86_64-linux-gnu
 FILES=("$LIB/libsonic.so.0" "$LIB/libRHVoice_core.so.7" "$LIB/libRHVoice.so.5" usr/share/RHVoice/languages/English/phonemes.xml
        usr/share/RHVoice/voices/alan/voice.info usr/share/RHVoice/voices/bdl/voice.info
        usr/share/RHVoice/voices/clb/voice.info usr/share/RHVoice/voices/slt/voice.info)
-tools=${BASH_SOURCE[0]%/*}; [ "$tools" != "${BASH_SOURCE[0]}" ] || tools=.  # this folder, without dirname
-die() { echo "rhvoice.sh: $*" >&2; exit 1; }
-
-there() { local f; for f in "${FILES[@]}"; do [ -f "$1/root/$f" ] || return 1; done; }
-
-fetch() {
-  local dir=$1
-  if there "$dir"; then echo "$dir"; return 0; fi
-  [ "$(uname -m)" = x86_64 ] || die "the pinned librhvoice5 is Debian's amd64 build; this machine is $(uname -m)"
-  "$BASH" "$tools/debpinned.sh" RHVoice "$dir" "${DEBS[@]}" || exit 1
-  there "$dir" || die "$dir lacks some of ${FILES[*]} after unpacking"
-  echo "rhvoice.sh: RHVoice's English voices unpacked into $dir" >&2
-  echo "$dir"
-}
-
-cmd=${1:-}; [ $# -gt 0 ] && shift
-case $cmd in
-  fetch) fetch "$(realpath -m "${1:-${ASR_RHVOICE_DIR:-$HOME/.cache/asr-rhvoice}}")";;
-  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0";;
-  *) die "usage: rhvoice.sh fetch [DIR]";;
-esac
+NAME=rhvoice WHAT="RHVoice's English voices" DIR_VAR=ASR_RHVOICE_DIR AMD64=librhvoice5
+. "$(dirname "${BASH_SOURCE[0]}")/pinned_fetch.sh"
