@@ -110,8 +110,10 @@ def test_a_rerun_replaces_the_lines_and_keeps_its_files(asterisk, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in made} == made  # each FLAC kept: its key matched
     human.add_to_train(data, 1, asterisk)
     assert [u["id"] for u in lines_of(data)[3:]] == ["human-0000-0", "human-0001-0", "human-0002-0"]
+    assert sorted(p.name for p in (data / "wav" / human.FOLDER).iterdir()) == [  # the second copies' removed
+        "human-0000-0.flac", "human-0001-0.flac", "human-0002-0.flac"]
     human.add_to_train(data, 0, asterisk)
-    assert len(lines_of(data)) == 3
+    assert len(lines_of(data)) == 3 and not list((data / "wav" / human.FOLDER).iterdir())
 
 
 def test_an_engine_run_after_them_never_speaks_a_prompt_again(asterisk, tmp_path, monkeypatch):

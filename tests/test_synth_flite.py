@@ -233,3 +233,22 @@ def test_learning_check_gives_flite_lines_to_a_copy_of_a_given_corpus(tmp_path, 
     assert json.loads((other / "corpus.json").read_text())["flite"]["pitch"] == [0.8, 1.2]
     added = [json.loads(line) for line in (other / "train.jsonl").read_text().splitlines()]
     assert len(added) == 15 and sum(u["id"].endswith("-flite") for u in added) == 5  # --flite-add
+
+
+def test_a_smaller_fraction_leaves_no_stray_flac_or_is_refused_when_lines_were_rewritten(tmp_path, monkeypatch,
+                                                                                         capsys):
+    fake_flite(tmp_path, monkeypatch)
+    data = corpus(tmp_path, 20)
+    folder = data / "wav" / "train_flite"
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.5", "--add", "--flite-dir", "D"]) == 0
+    assert len(list(folder.glob("*.flac"))) == 10
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.2", "--add", "--flite-dir", "D"]) == 0
+    named = {Path(u["audio"]).name for u in map(json.loads, (data / "train.jsonl").read_text().splitlines())
+             if u["speaker"].startswith("flite+")}
+    assert len(named) == 4 and {f.name for f in folder.glob("*.flac")} == named
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.5", "--flite-dir", "D"]) == 0  # in place
+    text = (data / "train.jsonl").read_text()
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.2", "--flite-dir", "D"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("flite: error: ") and "lines (e.g. train-" in last and "make the corpus again" in last
+    assert (data / "train.jsonl").read_text() == text and len(list(folder.glob("*.flac"))) == 10

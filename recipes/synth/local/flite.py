@@ -19,7 +19,9 @@ With --add, the eSpeak lines stay too and each chosen one is followed by its Fli
 (festival.festival_text). train_words.jsonl keeps eSpeak's word starts of wav/train: it is
 not the truth of a Flite line. DATA/corpus.json records the fraction and the voices. A FLAC whose
 stored plan key matches is kept on a re-run, and applying the same fraction again to a train.jsonl
-it already rewrote changes nothing. Festival's ked, the unseen synthesizer of dev_synth
+it already rewrote changes nothing; a smaller fraction removes the FLACs no line names any more (with
+--add), or is refused when lines it would not choose were rewritten (eSpeak's audio is then named no
+more: make the corpus again). Festival's ked, the unseen synthesizer of dev_synth
 (local/festival.py), is not one of these voices, nor is Festival (the program) run: Flite is a
 separate engine; its kal16 is a diphone voice as ked is, of another speaker and database. Flite
 comes from tools/flite.sh (downloaded and unpacked into --flite-dir, default $ASR_FLITE_DIR or
@@ -276,6 +278,12 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
         seed = card.get("seed", 0)
     own = [x for x in lines if not other_engine(x, engine)]
     utts = plan(own, fraction, seed, pitch, engine.suffix if add else "", engine)
+    # lines an earlier run without --add rewrote: their eSpeak audio is no longer in the manifest
+    kept = {x["id"] for x in own if spoken_by(x) == engine.name} - {u.id.removesuffix(engine.suffix) for u in utts}
+    if kept:
+        raise FliteError(f"{manifest}: {len(kept)} lines (e.g. {min(kept)}) were spoken by {engine.label} in place of "
+                         f"eSpeak's by an earlier run that this plan (--fraction {fraction:g}) would not choose; "
+                         "make the corpus again (synthesize.py) to speak fewer")
     todo = [u for u in utts if existing_frames(data / u.audio, u.key) is None]
     if todo:
         engine.fetch(folder)
@@ -294,6 +302,10 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
             rows.append(line)
     with atomic_open(manifest) as f:
         f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in in_engine_order(rows))
+    planned = {Path(u.audio).name for u in utts}
+    for flac in (data / "wav" / engine.folder).glob("*.flac"):  # an earlier, larger plan's
+        if flac.name not in planned:
+            flac.unlink()
     if card:
         card[engine.name] = {"fraction": fraction, "voices": list(engine.voices), "utterances": len(utts),
                              **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {})}

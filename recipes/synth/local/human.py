@@ -9,7 +9,8 @@ lines, so that a model trained on synthesizers hears a human voice too.
 "asterisk+allison"; FLACs in DATA/wav/train_human), each copy with its own edges and noise floor
 drawn from the seed (DATA/corpus.json's, else --seed) as the synthesizers' lines get them
 (synthesize.TRIMMED_EDGE, with_edges_and_noise); K 0 removes them.
-A re-run replaces the lines an earlier one added and keeps a FLAC whose stored key matches.
+A re-run replaces the lines an earlier one added, keeps a FLAC whose stored key matches and removes
+those no line names any more (fewer copies).
 Transcripts are normalized as the corpus's (synthesize.speakable; "*" is "star", "#" "pound");
 prompts without words ([tones]) or with a number of three digits or more or a decimal (how she
 reads "1234" or "28.8" is not written down) are left out, and an unreadable recording is left out
@@ -131,6 +132,10 @@ def add_to_train(data: Path, copies: int, folder: Path, seed: int | None = None)
                               "speaker": SPEAKER})
     with atomic_open(manifest) as f:
         f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in rows + added)
+    named = {Path(x["audio"]).name for x in added}
+    for flac in (data / "wav" / FOLDER).glob("*.flac"):  # an earlier run's with more copies
+        if flac.name not in named:
+            flac.unlink()
     if card:
         card["human"] = {"source": "asterisk-core-sounds-en-g722 (Allison Smith, CC-BY-SA 3.0)",
                          "copies": copies, "utterances": len(added),
