@@ -18,9 +18,10 @@
 #     by tools/festival.sh; skipped, not failed, when it cannot be had); then a fraction F of the
 #     training utterances spoken again by Flite (local/flite.py, tools/flite.sh; --flite 0: none),
 #     each at a pitch drawn in [LO, HI] x its own with --flite-pitch, beside the eSpeak line with
-#     --flite-add (else instead of it), by --flite-voices' voices alone when given; then --mbrola's by MBROLA's voices (local/mbrola.py,
-#     tools/mbrola.sh: mind the voices' licence there), --pico's by SVOX Pico's (local/pico.py,
-#     tools/pico.sh) and --rhvoice's by RHVoice's (local/rhvoice.py, tools/rhvoice.sh), likewise
+#     --flite-add (else instead of it), by --flite-voices' voices alone when given; then
+#     --mbrola's by MBROLA's voices (local/mbrola.py, tools/mbrola.sh: mind the voices' licence
+#     there), --pico's by SVOX Pico's (local/pico.py, tools/pico.sh) and --rhvoice's by RHVoice's
+#     (local/rhvoice.py, tools/rhvoice.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
 #   4 average checkpoints          5 decode dev and test: open vocabulary, alone and with the word LM
