@@ -113,6 +113,61 @@ def test_mbrola_speed_and_pitch_are_espeak_rate_and_pitch_settings(tmp_path, mon
     assert [u["id"] for u in lines_of(data)] == [u["id"] for u in before]
 
 
+def test_mbrola_f0_tracker_finds_the_pitch_of_a_pulse_train_and_not_silence():
+    rate = 16000
+    t = np.arange(rate) / rate
+    f0 = np.where(t < 0.5, 110.0, 180.0)  # a step from 110 to 180 Hz
+    y = np.sin(2 * np.pi * np.cumsum(f0) / rate) + 0.4 * np.sin(4 * np.pi * np.cumsum(f0) / rate)
+    track = mbrola.track_f0(np.concatenate([y, np.zeros(rate // 2)]), rate)
+    assert len(track) == round(1.5 / mbrola.F0_HOP) + 1  # frame i centred at i x F0_HOP
+    assert np.allclose(track[5:45], 110.0, rtol=0.02) and np.allclose(track[55:95], 180.0, rtol=0.02)
+    assert (track[105:] == 0).all()  # silence: unvoiced
+
+
+def test_flite_prosody_gives_each_voice_its_phonemes_kal16s_durations_and_a_scaled_contour():
+    segments = [("pau", 0.2), ("dh", 0.25), ("ax", 0.3), ("k", 0.4), ("ae", 0.5), ("t", 0.6), ("er", 0.7),
+                ("pau", 0.9)]
+    f0 = np.zeros(100)
+    f0[20:70] = np.linspace(120.0, 80.0, 50)  # falling, voiced over 0.2-0.7 s
+    f0[45] = 200.0  # an octave error, left out
+    for voice, vowels in (("us2", ["@", "{", "r="]), ("en1", ["@", "{", "3:"])):
+        lines = [line.split() for line in mbrola.pho(segments, f0, voice, 100.0).splitlines()]
+        assert [x[0] for x in lines] == ["_", "D", vowels[0], "k", vowels[1], "t", vowels[2], "_"]
+        assert [int(x[1]) for x in lines] == [30, 50, 50, 100, 100, 100, 100, 30]  # edges' pauses cut to 30 ms
+        assert lines[0][2:] == [] and lines[-1][2:] == []  # no pitch in pauses
+        points = [(int(x[2]), float(x[3])) for x in lines[1:-1]]
+        assert all(at == 20 for at, _ in points)
+        hz = [float(v) for x in lines[1:-1] for v in x[3::2]]
+        assert hz == sorted(hz, reverse=True) and max(hz) < 130  # falling; the 200 Hz frame not followed
+        median = float(np.median(f0[f0 > 0]))  # of every voiced frame
+        assert lines[2][3] == str(round(f0[26] * 100.0 / median))  # scaled so the median is 100 Hz
+    with pytest.raises(flite.FliteError, match="'xx'"):
+        mbrola.pho([("xx", 0.1)], f0, "us1", 200.0)
+
+
+def test_prosody_flite_plans_mbrolas_lines_with_keys_and_card_of_its_own(tmp_path, monkeypatch):
+    spoken = []
+
+    def speak(text, voice, stretch, folder, f0=0.0):
+        spoken.append((text, voice, f0))
+        return np.full(8000, 1000.0, np.float32)
+    fake = dataclasses.replace(mbrola.MBROLA_FLITE, speak=speak, fetch=lambda folder: folder)
+    monkeypatch.setitem(mbrola.PROSODY[1], "flite", fake)
+    data = corpus(tmp_path, 10)
+    before = lines_of(data)
+    assert flite.main(["train", "--data", str(data), "--fraction", "0.5", "--pitch", "0.8", "1.2", "--add",
+                       "--jobs", "1", "--prosody", "flite"], engine=mbrola.MBROLA, doc=mbrola.__doc__,
+                      folder=("--mbrola-dir", tmp_path, "MBROLA"), variants=mbrola.PROSODY) == 0
+    espeak_plan = flite.plan(before, 0.5, seed=3, pitch=(0.8, 1.2), suffix="-mbrola", engine=mbrola.MBROLA)
+    flite_plan = flite.plan(before, 0.5, seed=3, pitch=(0.8, 1.2), suffix="-mbrola", engine=fake)
+    assert [(u.id, u.voice, u.stretch) for u in flite_plan] == [(u.id, u.voice, u.stretch) for u in espeak_plan]
+    assert sorted(spoken) == sorted((u.text, u.voice, u.f0) for u in flite_plan)
+    assert all(0.8 * mbrola.VOICE_F0[v] - 1 <= f0 <= 1.2 * mbrola.VOICE_F0[v] + 1 for _, v, f0 in spoken)
+    assert {u.key for u in flite_plan}.isdisjoint(u.key for u in espeak_plan)  # eSpeak's FLACs are not kept
+    assert json.loads((data / "corpus.json").read_text())["mbrola"]["variant"] == "flite-prosody"
+    assert sum(u["id"].endswith("-mbrola") for u in lines_of(data)) == 5
+
+
 def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, monkeypatch):
     fake_flite(tmp_path, monkeypatch)
     fake_mbrola(tmp_path, monkeypatch)
@@ -139,6 +194,19 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
     only = check_args(data, mbrola=0.5)
     other = tmp_path / "only" / "data"
     assert learning_check.make_data(only, other, tmp_path / "log") == other  # --mbrola alone: a copy too
+
+
+def test_learning_check_gives_mbrola_py_its_prosody(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(learning_check, "run", lambda cmd, log, env=None: ran.append([str(c) for c in cmd]))
+    data = corpus(tmp_path, 4)
+    parsed = learning_check.parse_args(["--out", "o", "--data", str(data), "--flite", "0.5", "--mbrola", "0.5",
+                                        "--mbrola-prosody", "flite"])
+    learning_check.with_flite(check_args(data, flite=0.5, mbrola=0.5, mbrola_prosody=parsed.mbrola_prosody),
+                              data, tmp_path / "log")
+    assert [Path(cmd[1]).name for cmd in ran] == ["flite.py", "mbrola.py"]
+    assert "--prosody" not in ran[0] and ran[1][ran[1].index("--prosody") + 1] == "flite"
+    assert learning_check.parse_args(["--out", "o"]).mbrola_prosody == "espeak"
 
 
 def test_learning_check_voices_leave_the_overrides_after_them_to_the_config():
@@ -251,3 +319,25 @@ def test_engine_voices_speak_a_line_slower_and_higher_when_asked(module, tmp_pat
         if voice != "us1":  # (MBROLA's female voice: the pitch tracker errs by octaves on it)
             low, high = (median_f0(module.speak(line, voice, 1.0, folder, engine.pitch(voice, f))) for f in (0.8, 1.25))
             assert 1.3 < high / low < 1.9, voice  # 1.56 asked
+
+
+@pytest.mark.slow
+def test_mbrola_with_flite_prosody_keeps_kal16s_timing_at_the_pitch_asked(tmp_path):
+    """MBROLA fetched with Flite (tools/mbrola.sh, tools/flite.sh: network downloads into the user's
+    cache, slow-marked for that); each voice speaks kal16's phones for as long as kal16 does, at
+    the mean pitch asked."""
+    engine = mbrola.MBROLA_FLITE
+    try:
+        folder = engine.fetch(mbrola.default_dir())
+    except flite.FliteError as e:
+        pytest.skip(f"{engine.label} cannot be fetched here: {e}")
+    line = "A MAN WHO WAS WALKING ALONG THE ROAD SAW MANY ANIMALS THERE"
+    segments = mbrola.flite_segments(line, 1.1, tmp_path / "kal16.wav")
+    spoken = segments[-1][1] - (segments[0][1] if segments[0][0] == "pau" else 0.0)  # kal16's, its pauses aside
+    for voice in engine.voices:
+        y = engine.speak(line, voice, 1.1, folder)
+        assert 0.9 * spoken < len(y) / 16000 < spoken + 0.2 and np.abs(y).max() > 3000, voice
+        if voice != "us1":  # (MBROLA's female voice: the pitch tracker errs by octaves on it)
+            low, high = (median_f0(engine.speak(line, voice, 1.0, folder, engine.pitch(voice, f))) for f in (0.8, 1.25))
+            assert 1.3 < high / low < 1.9, voice  # 1.56 asked
+            assert 0.8 < low / (0.8 * mbrola.VOICE_F0[voice]) < 1.25, voice

@@ -9,6 +9,8 @@
 #                                   non-free, pinned by SHA-256: tools/debpinned.sh) into DIR unless
 #                                   they speak there already; prints DIR
 #   tools/mbrola.sh run DIR ARGS... DIR's espeak-ng with the voices, e.g. -v mb-us2 -s 160 -w out.wav "SOME TEXT"
+#   tools/mbrola.sh mbrola DIR ARGS...  DIR's mbrola program itself, e.g. -e VOICE_DB in.pho out.wav
+#                                   (VOICE_DB: DIR/root/usr/share/mbrola/us2/us2)
 #
 # DIR: $ASR_MBROLA_DIR, else ~/.cache/asr-mbrola (~43 MB). The voices are Debian non-free: their
 # licence (DIR/root/usr/share/doc/mbrola-*/copyright) allows speech with the MBROLA program only, and
@@ -42,6 +44,13 @@ run() {  # DIR ARGS...
     exec "$dir/root/usr/bin/espeak-ng" --path="$data" "$@"
 }
 
+program() {  # DIR ARGS...: DIR's mbrola
+  local dir=$1; shift
+  [ -x "$dir/root/usr/bin/mbrola" ] || die "no mbrola in $dir (run: tools/mbrola.sh fetch $dir)"
+  local libs; libs=$(cat "$dir/libpath" 2>/dev/null || true)
+  LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$dir/root/usr/bin/mbrola" "$@"
+}
+
 works() {  # DIR: does every voice speak? (quietly)
   local v
   for v in "${VOICES[@]}"; do (run "$1" -v "mb-$v" -q "test") >/dev/null 2>&1 || return 1; done
@@ -65,6 +74,7 @@ cmd=${1:-}; [ $# -gt 0 ] && shift
 case $cmd in
   fetch) fetch "$(realpath -m "${1:-${ASR_MBROLA_DIR:-$HOME/.cache/asr-mbrola}}")";;
   run) [ $# -ge 1 ] || die "usage: mbrola.sh run DIR ARGS..."; run "$@";;
+  mbrola) [ $# -ge 1 ] || die "usage: mbrola.sh mbrola DIR ARGS..."; program "$@";;
   -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0";;
-  *) die "usage: mbrola.sh fetch [DIR] | run DIR ARGS...";;
+  *) die "usage: mbrola.sh fetch [DIR] | run DIR ARGS... | mbrola DIR ARGS...";;
 esac

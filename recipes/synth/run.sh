@@ -8,6 +8,7 @@
 #                             [--num-dev-synth N] [--festival-dir DIR]
 #                             [--flite F [--flite-pitch LO HI] [--flite-add] [--flite-voices V...] [--flite-dir DIR]]
 #                             [--mbrola F ...] [--pico F ...] [--rhvoice F ...] (as --flite's)
+#                             [--mbrola-prosody espeak|flite]
 #                             [--extra-dev-decodes open|all]
 #                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [--streaming] [section.key=value ...]
@@ -20,8 +21,9 @@
 #     each at a pitch drawn in [LO, HI] x its own with --flite-pitch, beside the eSpeak line with
 #     --flite-add (else instead of it), by --flite-voices' voices alone when given; then
 #     --mbrola's by MBROLA's voices (local/mbrola.py, tools/mbrola.sh: mind the voices' licence
-#     there), --pico's by SVOX Pico's (local/pico.py, tools/pico.sh) and --rhvoice's by RHVoice's
-#     (local/rhvoice.py, tools/rhvoice.sh), likewise
+#     there; --mbrola-prosody flite: Flite's kal16 chooses their phonemes, durations and intonation,
+#     not eSpeak), --pico's by SVOX Pico's (local/pico.py, tools/pico.sh) and --rhvoice's by
+#     RHVoice's (local/rhvoice.py, tools/rhvoice.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
 #   4 average checkpoints          5 decode dev and test: open vocabulary, alone and with the word LM
@@ -50,6 +52,7 @@ stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; 
 num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
 engines=(flite mbrola pico rhvoice)  # the other synthesizers, local/<name>.py, run in this order
 declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0 [rhvoice]=0) pitch=() add=() voices=() engine_dir=()
+mbrola_prosody=espeak  # who chooses MBROLA's phonemes, durations and intonation (local/mbrola.py --prosody)
 lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""; streaming=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
@@ -73,6 +76,7 @@ while [ $# -gt 0 ]; do
       while [ $# -gt 0 ] && [[ $1 != -* && $1 != *=* ]]; do voices[$e]+=" $1"; shift; done
       [ -n "${voices[$e]}" ] || { echo "run.sh: --$e-voices names no voice" >&2; exit 2; };;
     --flite-dir|--mbrola-dir|--pico-dir|--rhvoice-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
+    --mbrola-prosody) mbrola_prosody=$2; shift 2;;
     --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
     --lm-clauses) lm_clauses=$2; shift 2;;
@@ -129,7 +133,8 @@ synthesize() {
     case ${fraction[$e]} in 0|0.0|.0) continue;; esac
     # shellcheck disable=SC2086  # pitch: LO HI, two words; voices: one word each
     python local/$e.py train --data "$data" --fraction "${fraction[$e]}" ${pitch[$e]:+--pitch ${pitch[$e]}} \
-      ${add[$e]:+--add} ${voices[$e]:+--voices ${voices[$e]}} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"}
+      ${add[$e]:+--add} ${voices[$e]:+--voices ${voices[$e]}} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"} \
+      $([ "$e" = mbrola ] && echo --prosody "$mbrola_prosody")
   done
 }
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, of train Flite ${fraction[flite]}, MBROLA ${fraction[mbrola]}, Pico ${fraction[pico]}, RHVoice ${fraction[rhvoice]}" \

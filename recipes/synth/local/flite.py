@@ -136,6 +136,7 @@ class Engine:
     fetch: Callable[[Path], Path]  # (folder) -> folder, or an error naming what is missing
     speak: Callable[..., np.ndarray]  # (text, voice, stretch, folder, f0) -> (T,) float32 at SAMPLE_RATE
     pitch: Callable[[str, float], float]  # (voice, drawn factor) -> Utt.f0 (0: the voice's own)
+    variant: str = ""  # another way of speaking under the same name (in the FLAC keys and corpus.json)
 
 
 FLITE = Engine("flite", "Flite", VOICES, FOLDER, ADDED, fetch, speak,
@@ -193,7 +194,9 @@ class Utt:
     lead: float  # seconds of silence before the speech
     tail: float  # and after
     snr_db: float  # noise floor, as synthesize.Utt's
-    f0: float = 0.0  # the engine's pitch (--pitch): Flite's F0 (Hz), eSpeak's 0-100 (MBROLA), Pico's %; 0: own
+    # the engine's pitch (--pitch): Flite's F0 (Hz), eSpeak's 0-100 (MBROLA; Hz with Flite's prosody),
+    # Pico's %; 0: own
+    f0: float = 0.0
     engine: Engine = FLITE
 
     @property
@@ -205,7 +208,9 @@ class Utt:
         """Digest of everything that shapes the audio, stored in the FLAC."""
         # without --pitch, the keys of before
         shape = {k: v for k, v in asdict(self).items() if (k != "f0" or v) and k != "engine"}
-        return hashlib.sha1(json.dumps({**shape, "engine": self.engine.name}, sort_keys=True).encode()).hexdigest()
+        variant = {"variant": self.engine.variant} if self.engine.variant else {}
+        return hashlib.sha1(json.dumps({**shape, "engine": self.engine.name, **variant},
+                                       sort_keys=True).encode()).hexdigest()
 
 
 def plan(train: list[dict], fraction: float, seed: int, pitch: tuple[float, float] | None = None,
@@ -308,7 +313,8 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
             flac.unlink()
     if card:
         card[engine.name] = {"fraction": fraction, "voices": list(engine.voices), "utterances": len(utts),
-                             **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {})}
+                             **({"pitch": list(pitch)} if pitch else {}), **({"added": True} if add else {}),
+                             **({"variant": engine.variant} if engine.variant else {})}
         with atomic_open(card_path) as f:
             f.write(json.dumps(card, indent=1) + "\n")
     print(f"{engine.name}: {len(utts)} of {len(own)} training utterances spoken by {engine.label} "
@@ -319,9 +325,11 @@ def mix_into_train(data: Path, fraction: float, folder: Path, seed: int | None =
 
 
 def main(argv: list[str] | None = None, engine: Engine = FLITE, doc: str = __doc__,
-         folder: tuple[str, Path, str] = ("--flite-dir", default_dir(), "tools/flite.sh unpacks Flite")) -> int:
+         folder: tuple[str, Path, str] = ("--flite-dir", default_dir(), "tools/flite.sh unpacks Flite"),
+         variants: tuple[str, dict[str, Engine], str] | None = None) -> int:
     """The command line of an engine's script: `doc` its docstring, `folder` (option, default, what
-    the folder holds)."""
+    the folder holds), `variants` (option, {choice: engine}, help) ways of speaking to choose among
+    (the first the default, `engine` ignored then)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -343,7 +351,12 @@ def main(argv: list[str] | None = None, engine: Engine = FLITE, doc: str = __doc
     option, default, holds = folder
     for x in (p, q):
         x.add_argument(option, dest="folder", type=Path, default=default, help=f"where {holds} (default {default})")
+        if variants:
+            x.add_argument(variants[0], dest="variant", choices=list(variants[1]), default=next(iter(variants[1])),
+                           help=variants[2])
     args = parser.parse_args(argv)
+    if variants:
+        engine = variants[1][args.variant]
     try:
         if args.command == "say":
             y = engine.speak(args.text, args.voice, 1.0, engine.fetch(args.folder), 0.0)
