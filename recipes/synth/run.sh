@@ -76,7 +76,8 @@ while [ $# -gt 0 ]; do
       while [ $# -gt 0 ] && [[ $1 != -* && $1 != *=* ]]; do voices[$e]+=" $1"; shift; done
       [ -n "${voices[$e]}" ] || { echo "run.sh: --$e-voices names no voice" >&2; exit 2; };;
     --flite-dir|--mbrola-dir|--pico-dir|--rhvoice-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
-    --mbrola-prosody) mbrola_prosody=$2; shift 2;;
+    --mbrola-prosody) mbrola_prosody=$2; shift 2
+      case $mbrola_prosody in espeak|flite) ;; *) echo "run.sh: --mbrola-prosody is espeak or flite, not '$mbrola_prosody'" >&2; exit 2;; esac;;
     --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
     --lm-clauses) lm_clauses=$2; shift 2;;
@@ -128,13 +129,14 @@ synthesize() {
   python local/synthesize.py --out-dir "$data" --num-train "$num_train" --num-dev "$num_dev" --num-test "$num_test" \
     --num-dev-near "$num_dev_near" --seed "$seed" "${text_args[@]}"
   python local/festival.py dev-set --data "$data" --num "$num_dev_synth" ${festival_dir:+--festival-dir "$festival_dir"}
-  local e  # (synthesize.py has just rewritten train.jsonl: eSpeak's alone)
+  local e own  # (synthesize.py has just rewritten train.jsonl: eSpeak's alone)
   for e in "${engines[@]}"; do
     case ${fraction[$e]} in 0|0.0|.0) continue;; esac
+    own=(); if [ "$e" = mbrola ]; then own=(--prosody "$mbrola_prosody"); fi  # an engine's own options
     # shellcheck disable=SC2086  # pitch: LO HI, two words; voices: one word each
     python local/$e.py train --data "$data" --fraction "${fraction[$e]}" ${pitch[$e]:+--pitch ${pitch[$e]}} \
       ${add[$e]:+--add} ${voices[$e]:+--voices ${voices[$e]}} ${engine_dir[$e]:+--$e-dir "${engine_dir[$e]}"} \
-      $([ "$e" = mbrola ] && echo --prosody "$mbrola_prosody")
+      "${own[@]}"
   done
 }
 run_stage 0 "synthesize $num_train/$num_dev/$num_test utterances, dev_near $num_dev_near, dev_synth $num_dev_synth, of train Flite ${fraction[flite]}, MBROLA ${fraction[mbrola]}, Pico ${fraction[pico]}, RHVoice ${fraction[rhvoice]}" \
