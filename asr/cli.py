@@ -592,6 +592,14 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     """decode, transcribe, serve, export, wer."""
+    _add_decode_command(sub)
+    _add_transcribe_command(sub)
+    _add_serve_command(sub)
+    _add_export_command(sub)
+    _add_wer_command(sub)
+
+
+def _add_decode_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("decode", help="decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt)",
                        description="Decode a manifest and score it (hyp.txt, ref.txt, wer.json, errors.txt); "
                        "resumes an interrupted run. 'torchrun --nproc_per_node N -m asr.cli decode ...' shares "
@@ -610,6 +618,8 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    help="any field of asr.decoding.DecodingConfig, after --config")
     p.set_defaults(func=cmd_decode)
 
+
+def _add_transcribe_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transcribe", help="transcribe audio files with a model file")
     p.add_argument("--model", required=True, metavar="MODEL.pt|DIR", help=MODEL_HELP)
     p.add_argument("audio", nargs="+", metavar="AUDIO",
@@ -640,6 +650,8 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
     add_decoding_flags(p)
     p.set_defaults(func=cmd_transcribe)
 
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an HTTP API and a web page that transcribe uploads and the microphone")
     p.add_argument("--model", required=True, metavar="MODEL.pt|DIR", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -706,6 +718,8 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    help="any field of asr.decoding.DecodingConfig, after --config")
     p.set_defaults(func=cmd_serve)
 
+
+def _add_export_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export a model file to ONNX graphs run by onnxruntime (pip install -e "
                        "'.[export]')",
                        description="Export the encoder, the CTC head and one decoder step to ONNX in DIR, with the "
@@ -725,6 +739,8 @@ def _add_decoding_commands(sub: argparse._SubParsersAction) -> None:
                    "attention cache is a graph input of a fixed size: all, -1, cannot be exported)")
     p.set_defaults(func=cmd_export)
 
+
+def _add_wer_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("wer", help="word and character error rates of HYP against REF")
     p.add_argument("ref", metavar="REF", help="Kaldi-style 'ID WORDS' text file, or a manifest")
     p.add_argument("hyp", metavar="HYP", help="Kaldi-style 'ID WORDS' text file, or a manifest")
@@ -741,7 +757,18 @@ def _setup_logging(verbose: bool) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def _sleeping_openmp_threads() -> None:
+    """OMP_WAIT_POLICY=PASSIVE for this program and what it starts, unless the environment sets it:
+    torch's OpenMP threads then sleep between operators instead of spinning, which on a machine
+    busy with other work made a beam search ~2-3x slower in wall time and ~3-5x costlier in CPU
+    (tools/bench_decode.py beside a two-process synthesis). OpenMP reads it once, when torch loads:
+    set only where torch is not yet imported (the `asr` program's start, not a caller's process)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _sleeping_openmp_threads()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,6 +36,24 @@ def test_help_is_instant():
     code = "import sys; from asr.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("preset, torch_first, expected", [
+    (None, False, "PASSIVE"), ("ACTIVE", False, "ACTIVE"), (None, True, None)])
+def test_the_program_makes_openmp_threads_sleep_unless_told_otherwise(tmp_path, preset, torch_first, expected):
+    # set at the program's start, before torch loads OpenMP; the user's own setting wins, and a process
+    # that imported torch before calling main (where it could no longer act) is left as it is
+    (tmp_path / "ref.txt").write_text("u1 a b\n")
+    code = ("import os, sys\n" + ("import torch\n" if torch_first else "") +
+            "from asr.cli import main\n"
+            f"assert main(['wer', {str(tmp_path / 'ref.txt')!r}, {str(tmp_path / 'ref.txt')!r}]) == 0\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str(expected)
 
 
 def test_the_mode_choices_are_the_searchs():
