@@ -177,13 +177,16 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
 
     def run(cmd, log, env=None):  # each step in this process, with the fakes
         ran.append(Path(cmd[1]).name)
-        if Path(cmd[1]) == learning_check.MBROLA:
-            assert train(Path(cmd[4]), *[str(c) for c in cmd[5:]]) == 0
+        if Path(cmd[1]) == learning_check.MBROLA:  # eSpeak's prosody asked for: the faked engine
+            rest = [str(c) for c in cmd[5:]]
+            at = rest.index("--prosody")
+            assert rest[at + 1] == "espeak"
+            assert train(Path(cmd[4]), *rest[:at], *rest[at + 2:]) == 0
         else:
             assert flite.main([str(c) for c in cmd[2:]]) == 0
     monkeypatch.setattr(learning_check, "run", run)
     args = check_args(data, flite=0.4, flite_add=True, mbrola=0.6, mbrola_pitch=[0.8, 1.2], mbrola_add=True,
-                      mbrola_voices=["us2", "en1"])
+                      mbrola_voices=["us2", "en1"], mbrola_prosody="espeak")
     out = tmp_path / "check" / "data"
     assert learning_check.make_data(args, out, tmp_path / "log") == out
     assert ran == ["flite.py", "mbrola.py"]
@@ -191,7 +194,7 @@ def test_learning_check_gives_mbrola_lines_after_flite_ones_to_a_copy(tmp_path, 
     assert speakers.count("flite") == 4 and speakers.count("mbrola") == 6 and len(speakers) == 20
     assert {u["speaker"] for u in lines_of(out) if u["speaker"].startswith("mbrola+")} == {"mbrola+us2", "mbrola+en1"}
     assert not (data / "wav" / "train_mbrola").exists()  # the given folder as it was
-    only = check_args(data, mbrola=0.5)
+    only = check_args(data, mbrola=0.5, mbrola_prosody="espeak")
     other = tmp_path / "only" / "data"
     assert learning_check.make_data(only, other, tmp_path / "log") == other  # --mbrola alone: a copy too
 
@@ -206,7 +209,7 @@ def test_learning_check_gives_mbrola_py_its_prosody(tmp_path, monkeypatch):
                               data, tmp_path / "log")
     assert [Path(cmd[1]).name for cmd in ran] == ["flite.py", "mbrola.py"]
     assert "--prosody" not in ran[0] and ran[1][ran[1].index("--prosody") + 1] == "flite"
-    assert learning_check.parse_args(["--out", "o"]).mbrola_prosody == "espeak"
+    assert learning_check.parse_args(["--out", "o"]).mbrola_prosody == "flite"  # chosen on dev over 3 seeds
 
 
 def test_learning_check_voices_leave_the_overrides_after_them_to_the_config():

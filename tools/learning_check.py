@@ -21,7 +21,7 @@ OUT/learning_check.json.
    lines and adds the Flite ones; --flite-voices V... has those voices alone speak); with --mbrola
    F, --pico F and --rhvoice F, and their -pitch, -add and -voices, the same by MBROLA's, SVOX
    Pico's and RHVoice's voices (recipes/synth/local/mbrola.py, pico.py, rhvoice.py), after Flite's
-   (--mbrola-prosody flite: Flite's kal16 chooses MBROLA's phonemes, durations and intonation);
+   (Flite's kal16 chooses MBROLA's phonemes, durations and intonation; --mbrola-prosody espeak: eSpeak);
    with --human K, Asterisk's English prompts, read by a person, added K times (local/human.py), last.
    With --data, that folder's train.jsonl and dev.jsonl, and its dev_near.jsonl and dev_synth.jsonl
    when it has them; with --data and any of them, a hard-linked copy of the folder in OUT/data is
@@ -153,10 +153,10 @@ def with_flite(args: argparse.Namespace, data: Path, log: Path) -> Path:
     for name, (script, _) in ENGINES.items():
         fraction, pitch, add, voices = (getattr(args, name + k) for k in ("", "_pitch", "_add", "_voices"))
         if fraction:
-            prosody = getattr(args, "mbrola_prosody", "espeak") if name == "mbrola" else "espeak"
+            prosody = getattr(args, "mbrola_prosody", "flite") if name == "mbrola" else None
             run([sys.executable, script, "train", "--data", data, "--fraction", fraction,
                  *(["--pitch", *pitch] if pitch else []), *(["--add"] if add else []),
-                 *(["--voices", *voices] if voices else []), *(["--prosody", prosody] if prosody != "espeak" else []),
+                 *(["--voices", *voices] if voices else []), *(["--prosody", prosody] if prosody else []),
                  "--jobs", args.jobs], log)
     if args.human:
         run([sys.executable, HUMAN, "train", "--data", data, "--copies", args.human], log)
@@ -279,9 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             f"({script.name} train --add)")
         p.add_argument(f"--{name}-voices", nargs="+", metavar="VOICE",
                        help=f"with --{name}: those of its voices alone speak ({script.name} train --voices)")
-    p.add_argument("--mbrola-prosody", choices=("espeak", "flite"), default="espeak",
+    p.add_argument("--mbrola-prosody", choices=("flite", "espeak"), default="flite",
                    help="with --mbrola: who chooses its lines' phonemes, durations and intonation (mbrola.py "
-                        "train --prosody; flite: Flite's kal16)")
+                        "train --prosody; flite, the default: Flite's kal16; espeak: eSpeak NG)")
     p.add_argument("--human", type=int, default=0, metavar="K",
                    help="Asterisk's English prompts (one human speaker, ~26 min) added K times to the training "
                         "lines, after the other engines' (recipes/synth/local/human.py); with --data, in a "

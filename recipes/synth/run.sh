@@ -8,7 +8,7 @@
 #                             [--num-dev-synth N] [--festival-dir DIR]
 #                             [--flite F [--flite-pitch LO HI] [--flite-add] [--flite-voices V...] [--flite-dir DIR]]
 #                             [--mbrola F ...] [--pico F ...] [--rhvoice F ...] (as --flite's)
-#                             [--mbrola-prosody espeak|flite]
+#                             [--mbrola-prosody flite|espeak]
 #                             [--extra-dev-decodes open|all]
 #                             [--lm-sentences N] [--lm-clauses N] [--config conf/synth.yaml] [--seed S]
 #                             [--data-dir DIR] [--exp-dir DIR] [--nproc N] [--streaming] [section.key=value ...]
@@ -21,8 +21,8 @@
 #     each at a pitch drawn in [LO, HI] x its own with --flite-pitch, beside the eSpeak line with
 #     --flite-add (else instead of it), by --flite-voices' voices alone when given; then
 #     --mbrola's by MBROLA's voices (local/mbrola.py, tools/mbrola.sh: mind the voices' licence
-#     there; --mbrola-prosody flite: Flite's kal16 chooses their phonemes, durations and intonation,
-#     not eSpeak), --pico's by SVOX Pico's (local/pico.py, tools/pico.sh) and --rhvoice's by
+#     there; Flite's kal16 chooses their phonemes, durations and intonation, --mbrola-prosody
+#     espeak: eSpeak does), --pico's by SVOX Pico's (local/pico.py, tools/pico.sh) and --rhvoice's by
 #     RHVoice's (local/rhvoice.py, tools/rhvoice.sh), likewise
 #   1 tokenizer (the config's), the training words, a word LM
 #   2 CMVN statistics + training features                     3 train
@@ -52,7 +52,7 @@ stage=0; stop_stage=100; force_from=1000; name=synth; text=""; num_train=27000; 
 num_dev_near=""; num_dev_synth=""; festival_dir=""; extra_decodes=open
 engines=(flite mbrola pico rhvoice)  # the other synthesizers, local/<name>.py, run in this order
 declare -A fraction=([flite]=0 [mbrola]=0 [pico]=0 [rhvoice]=0) pitch=() add=() voices=() engine_dir=()
-mbrola_prosody=espeak  # who chooses MBROLA's phonemes, durations and intonation (local/mbrola.py --prosody)
+mbrola_prosody=flite  # who chooses MBROLA's phonemes, durations and intonation (local/mbrola.py --prosody)
 lm_sentences=""; lm_clauses=""; seed=0
 config=$root/conf/synth.yaml; overrides=(); data=data; exp=""; nproc=""; streaming=""
 abspath() { case $1 in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
@@ -77,7 +77,7 @@ while [ $# -gt 0 ]; do
       [ -n "${voices[$e]}" ] || { echo "run.sh: --$e-voices names no voice" >&2; exit 2; };;
     --flite-dir|--mbrola-dir|--pico-dir|--rhvoice-dir) e=${1#--}; engine_dir[${e%-dir}]=$(abspath "$2"); shift 2;;
     --mbrola-prosody) mbrola_prosody=$2; shift 2
-      case $mbrola_prosody in espeak|flite) ;; *) echo "run.sh: --mbrola-prosody is espeak or flite, not '$mbrola_prosody'" >&2; exit 2;; esac;;
+      case $mbrola_prosody in espeak|flite) ;; *) echo "run.sh: --mbrola-prosody is flite or espeak, not '$mbrola_prosody'" >&2; exit 2;; esac;;
     --extra-dev-decodes) extra_decodes=$2; shift 2;;
     --lm-sentences) lm_sentences=$2; shift 2;;
     --lm-clauses) lm_clauses=$2; shift 2;;

@@ -4,8 +4,8 @@ eSpeak NG choosing the phonemes and prosody (its mb-* voices), so that the model
 concatenated recorded diphones as well as eSpeak's formants and Flite's voices.
 
     python local/mbrola.py train --data DATA --fraction F [--pitch LO HI] [--add] [--voices V...] [--mbrola-dir DIR]
-        [--seed S] [--jobs J] [--prosody flite]
-    python local/mbrola.py say "SOME TEXT" OUT.flac [--voice V] [--mbrola-dir DIR] [--prosody flite]
+        [--seed S] [--jobs J] [--prosody flite|espeak]
+    python local/mbrola.py say "SOME TEXT" OUT.flac [--voice V] [--mbrola-dir DIR] [--prosody flite|espeak]
 
 `train` is local/flite.py's with this engine: the same choice of lines (a seed stream of its own),
 voice decks, speeds, edges and noise, ids "<id>-mbrola" with --add, speakers "mbrola+<voice>",
@@ -19,12 +19,14 @@ databases. MBROLA comes from tools/mbrola.sh (fetched into --mbrola-dir, default
 ~/.cache/asr-mbrola, when missing); its voices' licence forbids selling them, or a product with
 them, without their owner's permission (tools/mbrola.sh).
 
-With --prosody flite, Flite's kal16 chooses the phonemes, durations and intonation in eSpeak's
+By default (--prosody flite) Flite's kal16 chooses the phonemes, durations and intonation in eSpeak's
 place (Festival's front end: CMU's lexicon, duration and F0 models): kal16 speaks the line at the
 drawn speed, its phones and their durations (flite -psdur) and its F0, tracked on that speech, are
 given to the MBROLA program as a .pho file, the contour scaled to the voice's own mean F0 (times
 --pitch's factor). Flite comes from tools/flite.sh (into $ASR_FLITE_DIR or ~/.cache/asr-flite).
 The lines are planned as eSpeak-driven MBROLA's are (the same lines, voices, speeds and pitches).
+It was chosen on the learning check's three dev sets over three training seeds (recipes/README.md,
+"MBROLA with Flite's prosody"); --prosody espeak has eSpeak choose them (its mb-* voices).
 """
 from __future__ import annotations
 
@@ -179,8 +181,9 @@ def fetch_with_flite(folder: Path) -> Path:
 MBROLA_FLITE = Engine("mbrola", "MBROLA with Flite's prosody", VOICES, "train_mbrola", "-mbrola", fetch_with_flite,
                       speak_with_flite_prosody, lambda voice, factor: round(VOICE_F0[voice] * factor),
                       variant="flite-prosody")
-PROSODY = ("--prosody", {"espeak": MBROLA, "flite": MBROLA_FLITE},
-           "who chooses phonemes, durations and intonation (default espeak; flite: Flite's kal16)")
+PROSODY = ("--prosody", {"flite": MBROLA_FLITE, "espeak": MBROLA},
+           "who chooses phonemes, durations and intonation (default flite: Flite's kal16; espeak: eSpeak NG's "
+           "mb-* voices)")
 
 
 if __name__ == "__main__":
