@@ -54,7 +54,7 @@ def median_f0(y: np.ndarray) -> float:
 
 
 def train(data: Path, *extra: str) -> int:
-    """local/mbrola.py train, as its command line runs it."""
+    """local/mbrola.py train --prosody espeak, as its command line runs it."""
     return flite.main(["train", "--data", str(data), "--mbrola-dir", "DIR", *extra], engine=mbrola.MBROLA,
                       doc=mbrola.__doc__, folder=("--mbrola-dir", mbrola.default_dir(), "MBROLA"))
 

@@ -1,6 +1,6 @@
 """Training speech from a third synthesizer: a fraction of the corpus's training utterances spoken
 again by MBROLA's diphone voices (us1 female, us2 and us3 male American, en1 male British), with
-eSpeak NG choosing the phonemes and prosody (its mb-* voices), so that the model hears
+Flite's kal16 (or eSpeak NG, --prosody espeak) choosing the phonemes and prosody, so that the model hears
 concatenated recorded diphones as well as eSpeak's formants and Flite's voices.
 
     python local/mbrola.py train --data DATA --fraction F [--pitch LO HI] [--add] [--voices V...] [--mbrola-dir DIR]
