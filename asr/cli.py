@@ -760,8 +760,8 @@ def _setup_logging(verbose: bool) -> None:
 def _sleeping_openmp_threads() -> None:
     """OMP_WAIT_POLICY=PASSIVE for this program and what it starts, unless the environment sets it:
     torch's OpenMP threads then sleep between operators instead of spinning, which on a machine
-    busy with other work made a beam search ~2-3x slower in wall time and ~3-5x costlier in CPU
-    (tools/bench_decode.py beside a two-process synthesis). OpenMP reads it once, when torch loads:
+    busy with other work made a beam search 1.9-3.4x slower in wall time and 2.5-5x costlier in CPU
+    (tools/bench_decode.py beside a two-process synthesis; level alone, README). OpenMP reads it once, when torch loads:
     set only where torch is not yet imported (the `asr` program's start, not a caller's process)."""
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
