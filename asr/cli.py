@@ -665,6 +665,17 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="uploads decoded together (default 8)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, metavar="MS",
                    help="how long the first upload of a batch waits for others (default 10)")
+    _add_client_limits(p)
+    _add_access_rules(p)
+    _add_streaming_options(p)
+    add_decoding_flags(p)
+    p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
+                   help="any field of asr.decoding.DecodingConfig, after --config")
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_client_limits(p: argparse.ArgumentParser) -> None:
+    """serve's limits on what one client may hold."""
     g = p.add_argument_group("what clients may hold", "every limit bounds what a slow, idle or hostile client "
                              "can take from the others")
     g.add_argument("--max-uploads", type=_positive, default=16, metavar="N",
@@ -684,6 +695,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--give-way", type=float, default=2.0, metavar="S",
                    help="when the uploads or the temporary disk are full, an upload that has not sent 64 kB for S "
                    "seconds is closed to let a new one in (default 2; 0: never)")
+
+
+def _add_access_rules(p: argparse.ArgumentParser) -> None:
+    """serve's Host and Origin checks."""
     g = p.add_argument_group("who may call", "the Host header must name this server, and another web site's page "
                              "may not call it")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -692,6 +707,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="another site whose pages may call the API, e.g. https://app.example (repeat for more; "
                    "'*': any)")
+
+
+def _add_streaming_options(p: argparse.ArgumentParser) -> None:
+    """serve's options for GET /stream."""
     g = p.add_argument_group("streaming (GET /stream)", "a model built with model.causal_conv streams: the chunks of "
                              "all open streams are encoded together")
     g.add_argument("--chunk-size", dest="stream_chunk_size", type=_positive, metavar="N",
@@ -713,10 +732,6 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="a stream that sends nothing for S seconds before its end is closed (default 10)")
     g.add_argument("--heartbeat", type=float, default=20.0, metavar="S",
                    help="a ping after S seconds without data, closed without a pong (default 20; 0: none)")
-    add_decoding_flags(p)
-    p.add_argument("overrides", nargs="*", metavar="decoding.key=value",
-                   help="any field of asr.decoding.DecodingConfig, after --config")
-    p.set_defaults(func=cmd_serve)
 
 
 def _add_export_command(sub: argparse._SubParsersAction) -> None:

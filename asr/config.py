@@ -73,43 +73,56 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
             return value.text
         value = value.parsed
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if isinstance(value, _Override) and value.parsed is None and type(None) in args:
-            return None
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, source, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{source}: '{key}' has the wrong type ({_kind(value)})")
+        return _convert_union(typing.get_args(tp), value, source, key)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, source=source, prefix=key + ".")
     if origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{source}: '{key}' must be one of {list(args)}, got {value!r}")
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{source}: '{key}' must be one of {list(typing.get_args(tp))}, got {value!r}")
         return value
     if origin in (list, tuple, Sequence) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{source}: '{key}' must be a list, got {_kind(value)}")
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            args = (args[0],)
-        if origin is tuple and args and len(args) != 1:
-            if len(value) != len(args):
-                raise ConfigError(f"{source}: '{key}' must have {len(args)} items, got {len(value)}")
-            return tuple(_convert(a, v, source, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        items = [_convert(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple or tp is tuple else items
+        return _convert_sequence(tp, value, source, key)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{source}: '{key}' must be a mapping, got {_kind(value)}")
         return dict(value)
+    return _convert_scalar(tp, value, source, key)
+
+
+def _convert_union(args: tuple, value: Any, source: str, key: str) -> Any:
+    """`value` as the first of a Union's members that takes it (None when the Union allows it)."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return _convert(arg, value, source, key)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{source}: '{key}' has the wrong type ({_kind(value)})")
+
+
+def _convert_sequence(tp: Any, value: Any, source: str, key: str) -> list | tuple:
+    """A list or tuple hint: each item checked (a fixed-length tuple's by position)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{source}: '{key}' must be a list, got {_kind(value)}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        args = (args[0],)
+    if origin is tuple and args and len(args) != 1:
+        if len(value) != len(args):
+            raise ConfigError(f"{source}: '{key}' must have {len(args)} items, got {len(value)}")
+        return tuple(_convert(a, v, source, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    item = args[0] if args else Any
+    items = [_convert(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple or tp is tuple else items
+
+
+def _convert_scalar(tp: Any, value: Any, source: str, key: str) -> Any:
+    """A number, bool, string or other plain type: ints become floats where a float is asked for."""
     if tp is float:
         if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
             return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string

@@ -222,6 +222,25 @@ def test_learning_check_names_each_dev_set_or_why_it_is_missing(tmp_path):
     assert sets["dev_synth"] == "skipped: festival.sh: cannot fetch Festival: no apt-get"
 
 
+def test_learning_check_prints_each_dev_sets_scores_or_why_it_is_missing(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import learning_check
+
+    scores = {"cer": 0.1234, "wer": 0.4567, "utterances": 150}
+    report = {"config": "conf/small.yaml", "overrides": ["training.seed=2"], "steps": 6000, "train_minutes": 35.0,
+              "below": 0.5, "plateau_left_at": {"train": 1200, "valid": None}, "warnings": [],
+              "dev_sets": {"dev": scores, "dev_near": {**scores, "wer": 0.2}, "dev_synth": {"missing": "skipped: x"}}}
+    learning_check.print_report(report, 2, tmp_path / "learning_check.json")
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("config") and line.endswith("small.yaml training.seed=2") for line in lines)
+    assert any(line.startswith("CTC < 0.5 ln V, train") and line.endswith("step 1200 (20%)") for line in lines)
+    assert any(line.startswith("CTC < 0.5 ln V, dev") and line.endswith("never") for line in lines)
+    assert any(line.startswith("dev (unseen accents)") and line.endswith("12.3% / 45.7%") for line in lines)
+    assert any(line.startswith("dev_near (unseen voices)") and line.endswith("12.3% / 20.0%") for line in lines)
+    assert any(line.startswith("dev_synth (unseen synthesizer)") and line.endswith("skipped: x") for line in lines)
+    assert lines[-1] == f"report: {tmp_path / 'learning_check.json'}"
+
+
 def test_choose_on_dev_decodes_apart_from_the_recipes_own_decodes(tmp_path, monkeypatch):
     """tools/choose_on_dev.py decodes each dev set at beam 10 into folders of its own: stage 5's
     decode_<set>_open (beam 40) in the same experiment is neither read nor written."""

@@ -325,16 +325,7 @@ def main() -> None:
          f"training.num_threads={threads}", *overrides], log, env)
     train_seconds = time.time() - started
     run(["asr", "average", "--exp-dir", exp, "--by", "last", "--num", 5], log)
-    sets: dict[str, dict] = {}
-    for name, manifest in dev_sets(corpus).items():
-        if isinstance(manifest, str):
-            sets[name] = {"missing": manifest}
-            continue
-        decoded = out / f"decode_{name}"
-        run(["asr", "decode", "--model", exp / "model_avg.pt", "--manifest", manifest, "--out-dir", decoded,
-             "--config", args.decode_config], log)
-        scores = json.loads((decoded / "wer.json").read_text())
-        sets[name] = {"manifest": str(manifest), **{k: scores[k] for k in ("cer", "wer", "utterances")}}
+    sets = decode_dev_sets(exp / "model_avg.pt", corpus, out, args.decode_config, log)
 
     records = read_records(exp / "metrics.jsonl")
     chance = math.log(load_file(exp / "model_last.pt")["model"]["vocab_size"])  # ln V
@@ -349,21 +340,42 @@ def main() -> None:
         "valid": [{k: r[k] for k in ("step", "ctc_loss", "att_loss", "accuracy") if k in r} for r in valid],
     }
     (out / "learning_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    print_report(report, args.nproc, out / "learning_check.json")
+
+
+def decode_dev_sets(model: Path, corpus: Path, out: Path, decode_config: str, log: Path) -> dict[str, dict]:
+    """Each dev set decoded into OUT/decode_<name>: its manifest, CER, WER and utterances, or why it is missing."""
+    sets: dict[str, dict] = {}
+    for name, manifest in dev_sets(corpus).items():
+        if isinstance(manifest, str):
+            sets[name] = {"missing": manifest}
+            continue
+        decoded = out / f"decode_{name}"
+        run(["asr", "decode", "--model", model, "--manifest", manifest, "--out-dir", decoded,
+             "--config", decode_config], log)
+        scores = json.loads((decoded / "wer.json").read_text())
+        sets[name] = {"manifest": str(manifest), **{k: scores[k] for k in ("cer", "wer", "utterances")}}
+    return sets
+
+
+def print_report(report: dict, nproc: int, path: Path) -> None:
+    """The check's table on stdout (`path`: where the report was written)."""
+    plateau, below, steps = report["plateau_left_at"], report["below"], report["steps"]
 
     def share(step: int | None) -> str:
-        return "never" if step is None else f"step {step} ({100 * step / args.steps:.0f}%)"
+        return "never" if step is None else f"step {step} ({100 * step / steps:.0f}%)"
 
     print(f"\n{'check':<42} {'value'}")
-    print(f"{'config':<42} {Path(args.config).name} {' '.join(args.overrides)}")
-    print(f"{'training':<42} {args.steps} steps, {report['train_minutes']} min, {args.nproc} process(es)")
-    print(f"{'CTC < ' + f'{args.below:g} ln V, train':<42} {share(plateau['train'])}")
-    print(f"{'CTC < ' + f'{args.below:g} ln V, dev':<42} {share(plateau['valid'])}")
+    print(f"{'config':<42} {Path(report['config']).name} {' '.join(report['overrides'])}")
+    print(f"{'training':<42} {steps} steps, {report['train_minutes']} min, {nproc} process(es)")
+    print(f"{'CTC < ' + f'{below:g} ln V, train':<42} {share(plateau['train'])}")
+    print(f"{'CTC < ' + f'{below:g} ln V, dev':<42} {share(plateau['valid'])}")
     print(f"{'plateau warning':<42} {'yes' if report['warnings'] else 'no'}")
     for name, what in DEV_SETS.items():
-        r = sets[name]
+        r = report["dev_sets"][name]
         value = f"{100 * r['cer']:.1f}% / {100 * r['wer']:.1f}%" if "wer" in r else r["missing"]
         print(f"{name + ' (' + what + ') CER / WER':<42} {value}")
-    print(f"report: {out / 'learning_check.json'}")
+    print(f"report: {path}")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return _grid(args) if args.command in ("search", "fusion") else _choose_or_rescore(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,23 +194,30 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--lm", type=Path, required=True, help="the ARPA word LM")
             p.add_argument("--weights", type=_floats, default=[0.2, 0.3, 0.4, 0.5])
             p.add_argument("--bonuses", type=_floats, default=[1.5, 2.5, 3.5])
-    args = parser.parse_args(argv)
-    if args.command in ("search", "fusion"):
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        if args.command == "search":
-            keys, fixed = ("ctc_weight", "length_bonus"), [f"decoding.lexicon={args.lexicon}"]
-            values = [(w, b) for w in args.ctc_weights for b in args.length_bonuses]
-        else:
-            keys, fixed = ("lm_weight", "lm_word_bonus"), [f"decoding.lm={args.lm}", "decoding.lm_fusion=true"]
-            values = [(w, b) for w in args.weights for b in args.bonuses]
-        grid = decode_grid(args.model, args.manifest, args.config, args.out_dir,
-                           [dict(zip(keys, v)) for v in values], fixed)
-        write_grid(args.out_dir / f"{args.command}.json", args.model, args.manifest, args.config, grid)
-        for g in grid:
-            each = f" ({' / '.join(f'{100 * w:.2f}' for w in g['wers'])})" if len(g["wers"]) > 1 else ""
-            print(f"{keys[0]} {g[keys[0]]}, {keys[1]} {g[keys[1]]}: WER {100 * g['wer']:.2f}%{each} "
-                  f"CER {100 * g['cer']:.2f}%")
-        return 0
+    return parser
+
+
+def _grid(args: argparse.Namespace) -> int:
+    """search / fusion: decode dev over a grid of two decoding values."""
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.command == "search":
+        keys, fixed = ("ctc_weight", "length_bonus"), [f"decoding.lexicon={args.lexicon}"]
+        values = [(w, b) for w in args.ctc_weights for b in args.length_bonuses]
+    else:
+        keys, fixed = ("lm_weight", "lm_word_bonus"), [f"decoding.lm={args.lm}", "decoding.lm_fusion=true"]
+        values = [(w, b) for w in args.weights for b in args.bonuses]
+    grid = decode_grid(args.model, args.manifest, args.config, args.out_dir,
+                       [dict(zip(keys, v)) for v in values], fixed)
+    write_grid(args.out_dir / f"{args.command}.json", args.model, args.manifest, args.config, grid)
+    for g in grid:
+        each = f" ({' / '.join(f'{100 * w:.2f}' for w in g['wers'])})" if len(g["wers"]) > 1 else ""
+        print(f"{keys[0]} {g[keys[0]]}, {keys[1]} {g[keys[1]]}: WER {100 * g['wer']:.2f}%{each} "
+              f"CER {100 * g['cer']:.2f}%")
+    return 0
+
+
+def _choose_or_rescore(args: argparse.Namespace) -> int:
+    """choose: the LM weight and word bonus with the best dev WER on an n-best; rescore: apply them."""
     try:
         config = load_decoding_config(str(args.config))
         lm = NgramLM.load(args.lm)
