@@ -94,7 +94,8 @@ def test_decode_transcribe_and_serve_take_the_same_decoding_flags():
     import argparse
     import dataclasses
 
-    from asr.cli import DECODING_FIELDS, _decoding_config, add_decoding_flags
+    from asr.cli import add_decoding_flags
+    from asr.commands import DECODING_FIELDS, _decoding_config
     from asr.decoding import DecodingConfig
 
     reference = argparse.ArgumentParser()
@@ -143,11 +144,11 @@ def test_transcribe_and_serve_do_not_import_the_manifest_decoder():
     from test_imports import import_graph, imports
 
     root = Path(__file__).resolve().parents[1]
-    tree = ast.parse((root / "asr" / "cli.py").read_text(encoding="utf-8"))
+    tree = ast.parse((root / "asr" / "commands.py").read_text(encoding="utf-8"))
     handlers = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     graph = import_graph(root)
     for name in ("cmd_transcribe", "cmd_serve", "_decoding_config", "_write_outputs"):
-        reached = [m for m, _ in imports(handlers[name], "asr.cli", False) if m.startswith("asr")]
+        reached = [m for m, _ in imports(handlers[name], "asr.commands", False) if m.startswith("asr")]
         seen, todo = set(), list(reached)
         while todo:
             module = todo.pop()
@@ -256,7 +257,7 @@ def test_transcribe_continues_after_an_unwritable_output(spoken_model, tmp_path)
 
 
 def test_serve_says_what_binding_every_interface_means():
-    from asr.cli import binding_note
+    from asr.commands import binding_note
 
     assert binding_note("127.0.0.1", 8000, []) is None and binding_note("localhost", 8000, []) is None
     note = binding_note("0.0.0.0", 8000, [])
@@ -336,7 +337,7 @@ def test_transcribe_streaming_refuses_what_does_not_apply_in_one_line(streaming_
 
 
 def test_partials_overwrite_one_line_on_a_terminal():
-    from asr.cli import _event_lines
+    from asr.commands import _event_lines
     from asr.streaming import Event
 
     events = [Event("partial", "a", (5,), 0.0, 0.6), Event("partial", "ab", (5, 6), 0.0, 1.2),
@@ -348,7 +349,8 @@ def test_partials_overwrite_one_line_on_a_terminal():
 
 def test_serve_flags_are_the_serve_options():
     """`asr serve`'s defaults are ServeOptions' and each streaming flag reaches its field."""
-    from asr.cli import build_parser, serve_options
+    from asr.cli import build_parser
+    from asr.commands import serve_options
     from asr.serve import ServeOptions
 
     parse = build_parser().parse_args
